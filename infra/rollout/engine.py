@@ -1,0 +1,63 @@
+"""The rollout engine interface: what a sampler must offer the RL loop.
+
+``generate`` returns, for every prompt, ``n`` completions grouped by prompt (prompt 0's n samples
+first), each with the sampled token ids and the per-token log-probs under the policy that produced
+them — GRPO's "old" log-probs for the importance ratio. ``load_weights`` swaps in a synced policy
+version in place; ``version`` reports the one being served, and each completion records it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature`` 0 is greedy. ``stop`` strings end a completion (not included
+    in ``text``; the token that completed them is kept in ``token_ids``). ``seed`` makes sampling
+    reproducible per request: sample j of prompt i uses a stream derived from (seed, i, j) only,
+    so results do not depend on batch composition."""
+
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=lambda: ["\n"])
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Completion:
+    """One sampled completion. ``logprobs[k]`` is log p(token_ids[k]) under the sampling
+    distribution (logits / temperature; raw logits when greedy). ``finish_reason``: ``stop``
+    (eos or a stop string) or ``length``."""
+
+    prompt_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version: int = 0
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A policy sampler serving one weight version at a time."""
+
+    version: int
+
+    def generate(self, prompts: list[str], n: int, params: SamplingParams) -> list[Completion]:
+        """``n`` completions per prompt, grouped by prompt (len = len(prompts) * n)."""
+        ...
+
+    def load_weights(self, tensors: dict, version: int) -> None:
+        """Replace the served weights (names as in ``infra.model.publishable_state``)."""
+        ...

@@ -1,0 +1,164 @@
+"""GRPO: group-normalised advantages and the clipped policy-gradient loss.
+
+For each prompt the policy samples a group of G completions; a completion's advantage is its
+reward minus the group mean, divided by the group std (+eps) — no value network. The loss is the
+PPO clipped surrogate on per-token importance ratios ``exp(logp_new - logp_old)``, where the old
+log-probs are those the rollout engine recorded while sampling (so staleness and engine/trainer
+numerical drift are corrected by the ratio), plus an optional k3 KL estimate to a frozen reference.
+
+Normalisation is a token-level mean over completion tokens (every token weighs the same, as in
+DAPO/Dr. GRPO), made explicit for data parallelism: each rank computes ``sum over its tokens /
+total_tokens`` where ``total_tokens`` counts completion tokens over the *global* batch (all ranks,
+all micro-batches). Summing the ranks' gradients (all-reduce SUM, not mean) then gives exactly the
+gradient of the global token mean, however the batch was split.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from infra.rollout.engine import Completion
+
+
+def group_advantages(rewards: "torch.Tensor | list[float]", group_size: int, eps: float = 1e-4) -> "torch.Tensor":
+    """(r - group mean) / (group std + eps) for consecutive groups of ``group_size`` rewards.
+
+    Groups whose rewards are all equal get advantage 0 (no signal, no gradient)."""
+    import torch
+
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if r.numel() % group_size:
+        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
+    g = r.view(-1, group_size)
+    adv = (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return adv.flatten()
+
+
+def _field(c: Any, name: str) -> Any:
+    return c[name] if isinstance(c, dict) else getattr(c, name)
+
+
+def build_batch(
+    tokenizer: "PreTrainedTokenizerBase",
+    prompts: list[str],
+    completions: "list[Completion] | list[dict[str, Any]]",
+    advantages: "torch.Tensor | list[float]",
+) -> dict[str, "torch.Tensor"]:
+    """Right-padded training tensors for completions (``Completion`` objects or their dicts).
+
+    If ``len(prompts) == len(completions)`` the prompts are taken positionally (one per completion,
+    e.g. a shard); otherwise completion k's prompt is ``prompts[completions[k].prompt_index]``.
+
+    Returns ``input_ids``/``attention_mask`` [B, L] (prompt + completion tokens), ``completion_mask``
+    and ``old_logprobs`` [B, L] aligned with the token they score (position t holds the token
+    at t, predicted from t-1), and ``advantages`` [B]."""
+    import torch
+
+    adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
+    if adv.numel() != len(completions):
+        raise ValueError(f"{adv.numel()} advantages for {len(completions)} completions")
+    enc = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    positional = len(prompts) == len(completions)
+    pidx = [k if positional else int(_field(c, "prompt_index")) for k, c in enumerate(completions)]
+    toks = [list(_field(c, "token_ids")) for c in completions]
+    lps = [list(_field(c, "logprobs")) for c in completions]
+    seqs = [enc[p] + t for p, t in zip(pidx, toks)]
+    width = max(len(s) for s in seqs)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    b = len(seqs)
+    input_ids = torch.full((b, width), pad, dtype=torch.int64)
+    attn = torch.zeros((b, width), dtype=torch.int64)
+    cmask = torch.zeros((b, width), dtype=torch.float32)
+    old = torch.zeros((b, width), dtype=torch.float32)
+    for r, s in enumerate(seqs):
+        p = len(enc[pidx[r]])
+        input_ids[r, : len(s)] = torch.tensor(s, dtype=torch.int64)
+        attn[r, : len(s)] = 1
+        cmask[r, p : len(s)] = 1.0
+        if len(lps[r]) != len(toks[r]):
+            raise ValueError(f"completion {r}: {len(lps[r])} logprobs for {len(toks[r])} tokens")
+        old[r, p : len(s)] = torch.tensor(lps[r], dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attn,
+        "completion_mask": cmask,
+        "old_logprobs": old,
+        "advantages": adv,
+    }
+
+
+def token_logprobs(
+    model: "torch.nn.Module", input_ids: "torch.Tensor", attention_mask: "torch.Tensor", temperature: float = 1.0
+) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Teacher-forced log p(token t | tokens < t) and entropy at each position, [B, L] each
+    (position 0 is 0). ``temperature`` must match the sampler's."""
+    import torch
+
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    lp = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    zero = torch.zeros_like(lp[:, :1])
+    return torch.cat([zero, lp], dim=1), torch.cat([zero, ent], dim=1)
+
+
+def grpo_loss(
+    model: "torch.nn.Module",
+    batch: dict[str, "torch.Tensor"],
+    clip_eps: float = 0.2,
+    kl_coef: float = 0.0,
+    ref_model: "torch.nn.Module | None" = None,
+    total_tokens: float | None = None,
+    temperature: float = 1.0,
+) -> tuple["torch.Tensor", dict[str, float]]:
+    """Clipped GRPO surrogate over this (micro-)batch, normalised by ``total_tokens``.
+
+    ``total_tokens`` = completion tokens in the global batch (default: this batch's), so that
+    summing gradients of all shards gives the global token mean. Metrics are for this shard:
+    ``loss`` (its contribution), ``kl``, ``clip_frac``, ``ratio_mean``, ``entropy`` (token means),
+    ``tokens``."""
+    import torch
+
+    dev = next(model.parameters()).device
+    ids = batch["input_ids"].to(dev)
+    attn = batch["attention_mask"].to(dev)
+    mask = batch["completion_mask"].to(dev)
+    old = batch["old_logprobs"].to(dev)
+    adv = batch["advantages"].to(dev)[:, None]
+    n_tok = float(mask.sum().item())
+    denom = float(total_tokens) if total_tokens is not None else max(n_tok, 1.0)
+
+    logp, ent = token_logprobs(model, ids, attn, temperature)
+    log_ratio = (logp - old) * mask
+    ratio = torch.exp(log_ratio)
+    surr = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    per_tok = -surr
+    kl = torch.zeros_like(logp)
+    if kl_coef > 0:
+        if ref_model is None:
+            raise ValueError("kl_coef > 0 needs a ref_model")
+        with torch.no_grad():
+            ref_lp, _ = token_logprobs(ref_model, ids, attn, temperature)
+        d = (ref_lp - logp) * mask
+        kl = torch.exp(d) - d - 1  # k3: unbiased, non-negative estimate of KL(pi || ref)
+        per_tok = per_tok + kl_coef * kl
+    loss = (per_tok * mask).sum() / denom
+
+    with torch.no_grad():
+        m = max(n_tok, 1.0)
+        clipped = ((ratio - 1).abs() > clip_eps).float() * mask
+        metrics = {
+            "loss": float(loss.item()),
+            "kl": float((kl * mask).sum().item() / m),
+            "clip_frac": float(clipped.sum().item() / m),
+            "ratio_mean": float((ratio * mask).sum().item() / m),
+            "entropy": float((ent * mask).sum().item() / m),
+            "tokens": n_tok,
+        }
+    return loss, metrics
