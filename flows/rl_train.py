@@ -1,0 +1,74 @@
+"""The ``rl-train`` flow: provision → [rollout → score → train → sync]×N with evals → promote.
+
+Each bracketed step is the loop train step → sync weights → rollout batch → score in sandboxes,
+entered at the rollout: version 1 (the warm-started policy) is already served after provision, so
+no rollout is wasted after the last update. Services are torn down in ``finally``, on success,
+failure or cancellation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow
+
+from infra.config import load_config
+from infra.stages.context import prepare_run
+from infra.stages.summary import human_summary, record_step, write_summary
+from tasks.evaluate import evaluate
+from tasks.promote import promote
+from tasks.provision import provision, teardown
+from tasks.rollout import rollout_batch
+from tasks.score import score_batch
+from tasks.sync import sync_weights
+from tasks.train import train_step
+
+
+@flow(name="rl-train", log_prints=False)
+def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run the whole RL pipeline for CONFIG (+ ``key=value`` overrides); returns the summary."""
+    cfg = load_config(config, overrides or [])
+    ctx = prepare_run(cfg)
+    cluster = None
+    status = "FAILED"
+    try:
+        cluster = provision(ctx)
+        before = evaluate(ctx, cluster, 0)
+        last_eval = before
+        for step in range(1, cfg.trainer.steps + 1):
+            t0 = time.perf_counter()
+            roll = rollout_batch(ctx, cluster, step)
+            score = score_batch(ctx, cluster, step)
+            train = train_step(ctx, cluster, step)
+            sync = sync_weights(ctx, cluster, train["publish"]["version"])
+            record_step(ctx, step, roll, score, train, sync, time.perf_counter() - t0)
+            if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.steps:
+                last_eval = evaluate(ctx, cluster, step)
+        after = evaluate(ctx, cluster, cfg.trainer.steps) if cfg.trainer.steps else last_eval
+        gate = promote(ctx, cluster, after["key"], cfg.trainer.steps) if cfg.promote.enabled else None
+        status = "FINISHED"
+    finally:
+        teardown(cluster)
+        ctx.tracker.end(status)
+    summary = _summary_fields(ctx, before, after, gate)
+    path = write_summary(ctx, summary)
+    ctx.report(human_summary({**summary, "run_id": ctx.run_id, "mlflow_run_id": ctx.tracker.run_id,
+                              "tracking_uri": cfg.resolved_tracking_uri(), "wall_seconds": time.time() - ctx.started}))
+    return {**summary, "summary_path": str(path), "run_id": ctx.run_id, "mlflow_run_id": ctx.tracker.run_id}
+
+
+def _summary_fields(ctx: Any, before: dict, after: dict, gate: dict | None) -> dict[str, Any]:
+    steps = [h for h in ctx.history if h["kind"] == "step"]
+    fracs = [h["sync_fraction"] for h in steps if h.get("sync_fraction") is not None]
+    overheads = [h["orchestration_overhead_fraction"] for h in steps if h.get("orchestration_overhead_fraction")]
+    return {
+        "eval_before": before["score"], "eval_after": after["score"],
+        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"],
+        "steps": len(steps), "final_weight_version": after["version"],
+        "promoted": bool(gate and gate["promoted"]), "model_version": gate["model_version"] if gate else None,
+        "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
+        "sync_bytes_total": sum(h.get("sync_bytes") or 0 for h in steps),
+        "sync_fraction_mean": sum(fracs) / len(fracs) if fracs else 0.0,
+        "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
+    }

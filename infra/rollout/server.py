@@ -1,0 +1,171 @@
+"""The rollout worker: one process holding an inference engine, served over HTTP on loopback.
+
+Started once by *provision* (``python -m infra.rollout.server --spec F --port P``), it keeps the
+model in memory for the whole run. Each new policy version is pulled from the weight-sync store
+and applied in place (``POST /v1/load``); every batch it generates records the version that
+produced it. Prompts and rollouts travel through the object store (data plane); HTTP carries only
+keys and small results (control plane).
+
+Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from infra.config import RunConfig
+from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
+
+
+class RolloutWorker:
+    """Engine + weight reader; generation and weight loads are serialised by one lock."""
+
+    def __init__(self, cfg: RunConfig, spec: dict[str, Any]) -> None:
+        import torch
+
+        from infra.rollout import create_engine
+        from infra.weightsync import VersionReader
+
+        torch.set_num_threads(cfg.rollout.threads)
+        self.cfg = cfg
+        self.store: ObjectStore = open_store(spec["store_uri"], spec.get("endpoint_url"), spec.get("region"))
+        init_dir = spec.get("init_dir")
+        if init_dir:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(init_dir, torch_dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(init_dir)
+        else:
+            from infra.model import load_policy
+
+            model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+        model.eval()
+        self.engine = create_engine(cfg.rollout, model, tokenizer)
+        self.reader = VersionReader(self.store, run_key(spec["run_id"], None, "weights"), threads=cfg.weight_sync.threads)
+        self._tensors: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return int(getattr(self.engine, "version", 0) or 0)
+
+    def load(self, version: int | None) -> dict[str, Any]:
+        """Fetch ``version`` (None = newest) from the store and apply it in place."""
+        with self._lock:
+            started = time.perf_counter()
+            have_version = self.version if self._tensors is not None else None
+            target = version if version is not None else self.reader.latest()
+            if target is None:
+                raise LookupError("no weight version has been published yet")
+            if target == have_version:
+                return {"version": target, "seconds": 0.0, "applied": False}
+            tensors, got = self.reader.fetch(target=target, have=self._tensors, have_version=have_version)
+            self.engine.load_weights(tensors, got)
+            self._tensors = tensors
+            return {"version": got, "seconds": time.perf_counter() - started, "applied": True}
+
+    def rollout(self, prompts_key: str, out_key: str, n: int, temperature: float,
+                max_new_tokens: int, seed: int) -> dict[str, Any]:
+        """Generate ``n`` samples per prompt of the batch at ``prompts_key``; write ``out_key``."""
+        from infra.rollout.engine import SamplingParams
+
+        batch = get_json(self.store, prompts_key)
+        prompts: list[str] = batch["prompts"]
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=self.cfg.rollout.top_p, stop=["\n"], seed=seed)
+        with self._lock:
+            version = self.version
+            started = time.perf_counter()
+            completions = self.engine.generate(prompts, n, params)
+            seconds = time.perf_counter() - started
+        samples = [
+            {"prompt_index": c.prompt_index, "text": c.text, "token_ids": list(c.token_ids),
+             "logprobs": [float(x) for x in c.logprobs], "finish_reason": c.finish_reason, "version": version}
+            for c in completions
+        ]
+        tokens = sum(len(s["token_ids"]) for s in samples)
+        put_json(self.store, out_key, {"version": version, "group_size": n, "prompts": prompts, "samples": samples,
+                                       "seconds": seconds, "tokens": tokens})
+        return {"key": out_key, "version": version, "samples": len(samples), "tokens": tokens,
+                "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+
+
+def build_app(worker: RolloutWorker) -> Any:
+    """The FastAPI application serving ``worker``."""
+    from fastapi import FastAPI, HTTPException
+    from pydantic import BaseModel
+
+    app = FastAPI(title="deltaloop rollout worker")
+
+    class LoadReq(BaseModel):
+        version: int | None = None
+
+    class RolloutReq(BaseModel):
+        prompts_key: str
+        out_key: str
+        n: int = 1
+        temperature: float = 1.0
+        max_new_tokens: int = 32
+        seed: int = 0
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "version": worker.version}
+
+    @app.get("/v1/version")
+    def version() -> dict[str, Any]:
+        return {"version": worker.version}
+
+    @app.post("/v1/load")
+    def load(req: LoadReq) -> dict[str, Any]:
+        try:
+            return worker.load(req.version)
+        except LookupError as exc:
+            raise HTTPException(409, str(exc)) from exc
+
+    @app.post("/v1/rollout")
+    def rollout(req: RolloutReq) -> dict[str, Any]:
+        return worker.rollout(req.prompts_key, req.out_key, req.n, req.temperature, req.max_new_tokens, req.seed)
+
+    return app
+
+
+def _watch_parent(pid: int) -> None:
+    def loop() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(3)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def main() -> None:
+    """Process entry point."""
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    if os.environ.get("DELTALOOP_PARENT_PID"):
+        _watch_parent(int(os.environ["DELTALOOP_PARENT_PID"]))
+    cfg = RunConfig.model_validate(spec["config"])
+    worker = RolloutWorker(cfg, spec)
+    uvicorn.run(build_app(worker), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""*promote*: register the final policy with its lineage and move ``champion`` only if the gate says so.
+
+The candidate is always registered (so a rejected model can still be inspected and promoted by
+hand); its ``deltaloop.status`` tag says ``promoted`` or ``rejected`` and ``deltaloop.reason`` why.
+The gate compares per-problem rewards on the same held-out suite when the champion's eval report is
+available (it is logged as ``eval/final.json`` on every run), else the recorded mean scores.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict
+from typing import Any
+
+from evals.gate import decide
+from infra.registry import Registry
+from infra.stages.context import Cluster, RunContext
+from infra.storage import get_json
+
+
+def champion_rewards(reg: Registry, alias: str, suite: str, problem_ids: list[str]) -> tuple[list[float] | None, float | None, str | None]:
+    """The champion's per-problem rewards on ``suite`` (if logged), its recorded score, its version."""
+    champ = reg.alias(alias)
+    if champ is None:
+        return None, None, None
+    rewards = None
+    if champ.run_id:
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = reg.client.download_artifacts(champ.run_id, "eval/final.json", tmp)
+                with open(path) as fh:
+                    rep = json.load(fh)
+            if rep.get("suite") == suite and rep.get("problem_ids") == problem_ids:
+                rewards = [float(x) for x in rep["rewards"]]
+        except Exception:  # champion logged elsewhere or without a report: fall back to its score tag
+            rewards = None
+    return rewards, champ.score("eval_score"), champ.version
+
+
+def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, sandbox_image: str) -> dict[str, Any]:
+    """Export, register and gate the final policy. Returns the decision and the version made."""
+    cfg = ctx.cfg
+    report = get_json(ctx.store, final_eval_key)
+    ctx.tracker.log_dict(report, "eval/final.json")
+    model_dir = ctx.run_dir / "model"
+    cluster.trainer.call("export", path=str(model_dir))
+    ctx.tracker.log_artifacts(model_dir, "model")
+    reg = Registry(cfg.resolved_tracking_uri(), cfg.tracking.registered_model)
+    champ_rewards, champ_score, champ_version = champion_rewards(reg, cfg.promote.alias, report["suite"],
+                                                                 report["problem_ids"])
+    decision = decide(report["rewards"], champ_rewards, cfg.promote.margin, champion_score=champ_score)
+    tags = {
+        "deltaloop.run_id": ctx.run_id,
+        "mlflow_run_id": ctx.tracker.run_id,
+        "step": step,
+        "weight_version": report["version"],
+        "eval_score": f"{report['score']:.6f}",
+        "eval_accuracy": f"{report['accuracy']:.6f}",
+        "eval_suite": report["suite"],
+        "sandbox_image": sandbox_image,
+        "config_hash": cfg.config_hash(),
+        "base_model": cfg.init_from or f"{cfg.model.type}:{cfg.model.path or 'tiny'}",
+        "deltaloop.status": "promoted" if decision.promote else "rejected",
+        "deltaloop.reason": decision.reason,
+        "champion_at_gate": champ_version or "none",
+    }
+    mv = reg.register(ctx.tracker.run_id or "", "model", tags)
+    if decision.promote:
+        reg.point(cfg.promote.alias, mv.version)
+    out = {"promoted": decision.promote, "model_version": mv.version, "champion_before": champ_version,
+           "decision": asdict(decision)}
+    ctx.tracker.log_dict(out, "eval/gate_decision.json")
+    ctx.tracker.set_tags({"deltaloop.promoted": decision.promote, "deltaloop.model_version": mv.version})
+    return out

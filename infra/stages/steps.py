@@ -1,0 +1,95 @@
+"""The per-step stages: rollout batch, score in sandboxes, train step, sync weights.
+
+Each stage reads its inputs from and writes its outputs to the object store under
+``runs/<run>/step-<N>/``; if its output already exists (a retried task, a resumed run) it returns the
+stored result instead of redoing the work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from infra.stages.context import Cluster, RunContext
+from infra.storage import get_json, put_json
+
+
+def _problem_dict(p: Any) -> dict[str, Any]:
+    return asdict(p)
+
+
+def rollout_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
+    """Draw fresh training prompts for ``step`` and sample ``group_size`` completions per prompt."""
+    from evals.funcfit import train_batch
+
+    cfg = ctx.cfg
+    out_key = ctx.key(step, "rollouts.json")
+    if ctx.store.exists(out_key):
+        meta = get_json(ctx.store, out_key)
+        return {"key": out_key, "version": meta["version"], "tokens": meta.get("tokens", 0),
+                "seconds": meta.get("seconds", 0.0), "cached": True}
+    problems = train_batch(cfg.env.seed, step, cfg.trainer.prompts_per_step, cfg.env.hidden_tests)
+    prompts_key = ctx.key(step, "prompts.json")
+    put_json(ctx.store, prompts_key, {"prompts": [p.prompt for p in problems],
+                                      "problems": [_problem_dict(p) for p in problems]})
+    res = cluster.rollout.rollout(prompts_key, out_key, cfg.trainer.group_size, cfg.rollout.temperature,
+                                  cfg.rollout.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
+    return {**res, "prompts_key": prompts_key}
+
+
+def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
+    """Run every rollout's program against its hidden tests in the sandbox pool."""
+    from evals.funcfit import Problem, to_verify_request
+
+    out_key = ctx.key(step, "scores.json")
+    if ctx.store.exists(out_key):
+        return {**get_json(ctx.store, out_key)["summary"], "key": out_key, "cached": True}
+    rollouts = get_json(ctx.store, ctx.key(step, "rollouts.json"))
+    problems = [Problem(**_fix_problem(d)) for d in get_json(ctx.store, ctx.key(step, "prompts.json"))["problems"]]
+    samples = rollouts["samples"]
+    reqs = [to_verify_request(problems[s["prompt_index"]], s["text"], ctx.cfg.sandbox.timeout_s) for s in samples]
+    t0 = time.perf_counter()
+    results = cluster.sandbox.verify_many(reqs)
+    seconds = time.perf_counter() - t0
+    rewards = [float(r.reward) for r in results]
+    reasons: dict[str, int] = {}
+    for r in results:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    n = max(1, len(rewards))
+    mean = sum(rewards) / n
+    summary = {
+        "reward_mean": mean,
+        "reward_std": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
+        "solved_fraction": sum(1 for x in rewards if x >= 1.0) / n,
+        "score_seconds": seconds,
+        "sandbox_latency_ms": 1000 * sum(r.wall_seconds for r in results) / n,
+        "reasons": reasons,
+    }
+    put_json(ctx.store, out_key, {"rewards": rewards, "reasons": [r.reason for r in results], "summary": summary})
+    return {**summary, "key": out_key}
+
+
+def _fix_problem(d: dict[str, Any]) -> dict[str, Any]:
+    """JSON turns tuples into lists; restore the dataclass field types."""
+    d = dict(d)
+    for k in ("shown", "hidden"):
+        if k in d:
+            d[k] = [tuple(x) for x in d[k]]
+    return d
+
+
+def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
+    """One GRPO update on the scored batch of ``step``; the trainer publishes the next version."""
+    return cluster.trainer.call(
+        "train_step", step=step, rollouts_key=ctx.key(step, "rollouts.json"), scores_key=ctx.key(step, "scores.json")
+    )
+
+
+def sync_weights(ctx: RunContext, cluster: Cluster, version: int) -> dict[str, Any]:
+    """Make the rollout worker serve ``version`` (pulled from the store and applied in place)."""
+    res = cluster.rollout.load(version)
+    if int(res["version"]) != version:
+        raise RuntimeError(f"rollout worker serves version {res['version']}, expected {version}")
+    cluster.version = version
+    return res

@@ -1,0 +1,128 @@
+"""The trainer as a long-lived service: N ranks started once, driven by commands.
+
+:class:`TrainerService` launches ``infra.train.worker`` on every rank through the configured cluster
+provider (``local`` torchrun by default), waits for rank 0 to publish its control address in the
+object store, and then sends one command per pipeline stage (``init``, ``warmstart``, ``publish``,
+``train_step``, ``export``). Nothing reloads the model per step.
+
+Teardown (:meth:`TrainerService.close`) asks for a clean shutdown, then kills the whole process
+group; every rank also exits on its own if the flow process that started it disappears, so no
+rank outlives its flow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from infra.cluster import create_provider
+from infra.cluster.base import GroupHandle
+from infra.config import RunConfig
+from infra.rpc import RpcClient, ServiceDied
+from infra.storage import ObjectStore, run_key
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class TrainerService:
+    """Handle on the running trainer process group."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_id: str,
+        store: ObjectStore,
+        run_dir: Path,
+        init_dir: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.store = store
+        self.run_dir = Path(run_dir)
+        self.init_dir = init_dir
+        self.control_key = run_key(run_id, None, "control", "trainer.json")
+        self._authkey = secrets.token_bytes(32)
+        self._handle: GroupHandle | None = None
+        self._client: RpcClient | None = None
+        self._logs: list[str] = []
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Launch every rank and connect to rank 0; raises :class:`ServiceDied` with the log tail."""
+        spec = {
+            "config": self.cfg.model_dump(mode="json"),
+            "run_id": self.run_id,
+            "store_uri": self.store.uri,
+            "endpoint_url": self.cfg.storage.endpoint_url,
+            "region": self.cfg.storage.region,
+            "control_key": self.control_key,
+            "init_dir": self.init_dir,
+            "run_dir": str(self.run_dir),
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = self.run_dir / "trainer_spec.json"
+        spec_path.write_text(json.dumps(spec, indent=1))
+        env = {
+            "DELTALOOP_AUTHKEY": self._authkey.hex(),
+            "DELTALOOP_PARENT_PID": str(os.getpid()),
+            "PYTHONUNBUFFERED": "1",
+        }
+        provider = create_provider(self.cfg.cluster)
+        started = time.time()
+        self._handle = provider.launch("infra.train.worker", ["--spec", str(spec_path)], env, str(self.run_dir / "logs"))
+        self._logs = list(getattr(self._handle, "logs", []))
+        self._client = RpcClient.connect(
+            self.store, self.control_key, self._authkey, self.cfg.cluster.start_timeout_s, self.dead_reason, started - 1
+        )
+
+    def dead_reason(self) -> str | None:
+        """None while the group runs; else why it stopped, with the end of its log."""
+        if self._handle is None:
+            return "trainer not started"
+        code = self._handle.poll()
+        if code is None:
+            return None
+        tails = "\n".join(_tail(p) for p in self._logs)
+        return f"trainer group exited with code {code} ({self._handle.describe()})\n{tails}"
+
+    def call(self, op: str, timeout_s: float = 3600.0, **kwargs: Any) -> dict:
+        """Run one command on every rank; returns rank 0's reply."""
+        if self._client is None:
+            raise ServiceDied("trainer service is not running")
+        return self._client.call(op, self.dead_reason, timeout_s=timeout_s, **kwargs)
+
+    def close(self) -> None:
+        """Shut down cleanly if possible, then make sure no rank survives. Idempotent."""
+        if self._client is not None:
+            try:
+                if self._handle is not None and self._handle.poll() is None:
+                    self._client.call("shutdown", self.dead_reason, timeout_s=15)
+            except Exception:  # teardown must go on whatever the trainer says
+                pass
+            self._client.close()
+            self._client = None
+        if self._handle is not None:
+            deadline = time.monotonic() + 5
+            while self._handle.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self._handle.terminate()
+            self._handle = None
+
+    def __enter__(self) -> "TrainerService":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

