@@ -166,8 +166,9 @@ class KubernetesConfig(_Strict):
 
     namespace: str = Field("default", max_length=63, pattern=_DNS_LABEL, description="Kubernetes namespace.")
     job_name: str = Field(
-        "deltaloop-trainer", max_length=47, pattern=_DNS_LABEL,
-        description="Job name; the Service is '<job_name>-svc' and pods are '<job_name>-<index>'.",
+        "deltaloop-trainer", max_length=40, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$",
+        description="Name prefix: each launch creates Job, headless Service and Secret '<job_name>-<id>'; "
+        "pods are '<job_name>-<id>-<index>'.",
     )
     image: str = Field("", max_length=512, description="Container image holding this repo and its Python env.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", description="Pull policy.")
@@ -495,9 +496,10 @@ def _format_error(err: dict[str, Any]) -> str:
 def _coerce_override(raw: str) -> Any:
     """Parse an override value as YAML (so 3, 1e-4, true, [a, b] work), else keep the string."""
     try:
-        return yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
+    return value  # YAML 1.1 reads "1e-4" as a string; pydantic turns it into a float where one is wanted
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:

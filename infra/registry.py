@@ -112,13 +112,21 @@ class Registry:
         import mlflow.artifacts
 
         if ref.startswith("models:/"):
-            uri = ref
-        elif ref.isdigit():
-            uri = f"models:/{self.name}/{ref}"
-        else:
-            uri = f"models:/{self.name}@{ref}"
+            body = ref[len("models:/"):]
+            name, _, sel = body.partition("@") if "@" in body else body.partition("/")
+            if name != self.name:
+                return Registry(self.tracking_uri, name).download(sel, dst)
+            ref = sel
+        info = self.get(ref) if ref.isdigit() else self.alias(ref)
+        if info is None:
+            raise LookupError(f"model {self.name!r} has no alias {ref!r}")
+        mv = self.client.get_model_version(self.name, info.version)
         Path(dst).mkdir(parents=True, exist_ok=True)
-        return mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst), tracking_uri=self.tracking_uri)
+        if mv.source.startswith("runs:/"):
+            run_id, _, path = mv.source[len("runs:/"):].partition("/")
+            return self.client.download_artifacts(run_id, path, str(dst))
+        return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst),
+                                                   tracking_uri=self.tracking_uri)
 
     def versions(self) -> list[VersionInfo]:
         """All versions, newest first."""

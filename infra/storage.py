@@ -226,9 +226,10 @@ class S3Store:
             raise self._err(exc, key) from exc
 
     def list(self, prefix: str = "") -> list[str]:
-        full = self._k(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
-        if prefix.endswith("/") and not full.endswith("/"):
-            full += "/"
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ValueError(f"invalid list prefix {prefix!r}")
+        base = self.prefix + "/" if self.prefix else ""
+        full = base + prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
         out: list[str] = []
         try:
