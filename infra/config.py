@@ -389,6 +389,31 @@ class SandboxConfig(_Strict):
     pids: int = Field(64, ge=4, le=65536, description="Process limit per sandbox.")
     cpus: float = Field(1.0, gt=0, le=256, description="CPU limit per sandbox.")
     output_limit_bytes: int = Field(65536, ge=256, le=1 << 30, description="stdout+stderr cap.")
+    scratch_mb: int = Field(
+        64, ge=1, le=65536, description="Size of the tmpfs scratch dir (also the per-file size limit)."
+    )
+    tail_bytes: int = Field(4096, ge=0, le=1 << 20, description="Bytes of stdout/stderr kept in results.")
+    uid: int = Field(
+        65534, ge=0, le=2**31 - 1, description="Uid inside the sandbox (and bwrap's host uid when run as root)."
+    )
+    python: str = Field(
+        "/usr/bin/python3",
+        description="bwrap (host /usr) and unsafe_local: interpreter that runs the runner; docker: "
+        "'python3' inside the image is used.",
+    )
+    bwrap_path: str = Field("bwrap", description="bwrap: the bubblewrap executable.")
+    rootfs: str | None = Field(
+        None,
+        description="bwrap: a root filesystem folder to use as / (e.g. /var/cache/deltaloop/rootfs from "
+        "scripts/setup_sandbox.sh); None = the host's /usr read-only.",
+    )
+    start_timeout_s: float = Field(60.0, gt=0, le=3600, description="Max wait for one sandbox to start.")
+    idle_timeout_s: float = Field(
+        30.0, ge=0, le=86400, description="Idle sandboxes above the warm target are retired after this long."
+    )
+    kill_grace_s: float = Field(
+        10.0, gt=0, le=3600, description="Host backstop beyond the job timeout before a sandbox is killed."
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "SandboxConfig":
