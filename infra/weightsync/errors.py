@@ -1,0 +1,54 @@
+"""Typed errors of weight sync.
+
+Every error names the version (and, where one is involved, the tensor) so a log line is enough to
+find the broken object. ``retryable`` says whether trying again can help (a missing object may be
+a garbage-collected version: retrying from a newer keyframe helps; a checksum mismatch on the same
+bytes does not).
+"""
+
+from __future__ import annotations
+
+
+class WeightSyncError(RuntimeError):
+    """Base class of every weight-sync failure."""
+
+    retryable = False
+
+    def __init__(self, message: str, version: int | None = None, tensor: str | None = None) -> None:
+        where = []
+        if version is not None:
+            where.append(f"version {version}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        prefix = (", ".join(where) + ": ") if where else ""
+        super().__init__(prefix + message)
+        self.version = version
+        self.tensor = tensor
+
+
+class VersionNotFound(WeightSyncError):
+    """No committed version (manifest) matches the request."""
+
+    retryable = True
+
+
+class MissingObject(WeightSyncError):
+    """A data object named by a committed manifest is gone (collected or lost)."""
+
+    retryable = True
+
+
+class CorruptData(WeightSyncError):
+    """A frame failed to decode or its checksum did not match (truncated or corrupted bytes)."""
+
+
+class WrongBase(WeightSyncError):
+    """A delta was about to be applied to tensors that are not the version it was made against."""
+
+
+class IncompatibleTensors(WeightSyncError):
+    """Tensor names, shapes or dtypes differ from what the operation expects."""
+
+
+class ManifestError(WeightSyncError):
+    """A manifest could not be read or has an unknown format."""

@@ -1,0 +1,67 @@
+"""Garbage collection of old versions that no reader path still needs.
+
+``collect(store, prefix, keep)`` keeps the newest ``keep`` committed versions *and the keyframe
+chain they depend on*: the anchor is the newest keyframe at or below the oldest kept version, and
+nothing at or above the anchor is deleted. Everything older goes, manifest first (so a version
+disappears atomically from readers' point of view, exactly like it appeared), then its data objects.
+Orphan folders of versions that never committed (a publisher killed mid-upload) below the newest
+version are removed too. Side files no kept manifest references are deleted last.
+
+A reader that is replaying an old, now-collected version gets :class:`MissingObject` /
+:class:`VersionNotFound` and falls back to the anchor keyframe, which is always kept. Run it from
+the single writer (the publisher does when ``keep_versions`` is set).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from infra.weightsync.layout import MANIFEST, Manifest, manifest_key, scan_versions, version_dir
+
+if TYPE_CHECKING:
+    from infra.storage import ObjectStore
+
+
+def collect(store: "ObjectStore", prefix: str, keep: int) -> list[int]:
+    """Delete versions older than the keyframe anchoring the newest ``keep``; returns those deleted."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    prefix = prefix.strip("/")
+    keys = store.list(prefix + "/")
+    committed, keyframes, seen = scan_versions(keys)
+    if not committed:
+        return []
+    oldest_kept = committed[max(0, len(committed) - keep)]
+    anchors = [k for k in keyframes if k <= oldest_kept]
+    if not anchors:
+        return []
+    anchor = max(anchors)
+    newest = committed[-1]
+    doomed = sorted(v for v in seen if v < anchor or (v < newest and v not in committed))
+    by_version: dict[int, list[str]] = {}
+    for key in keys:
+        m = re.search(r"(?:^|/)v(\d{8})/", key)
+        if m:
+            by_version.setdefault(int(m.group(1)), []).append(key)
+    for v in doomed:
+        if v in committed:
+            store.delete(manifest_key(prefix, v))
+        for key in by_version.get(v, []):
+            if not key.endswith("/" + MANIFEST):
+                store.delete(key)
+    file_keys = [k for k in keys if k.startswith(prefix + "/files/")]
+    if file_keys:
+        live: set[str] = set()
+        for v in committed:
+            if v >= anchor:
+                live.update(Manifest.from_bytes(store.get(manifest_key(prefix, v)), v).files.values())
+        for k in file_keys:
+            if k.rsplit("/", 1)[1] not in live:
+                store.delete(k)
+    return [v for v in doomed if v in committed]
+
+
+def version_objects(store: "ObjectStore", prefix: str, version: int) -> list[str]:
+    """Every object of one version (for tools and tests)."""
+    return store.list(version_dir(prefix.strip("/"), version) + "/")

@@ -1,0 +1,169 @@
+"""Object layout and manifest format of a weight-version store.
+
+Under a prefix ``P`` (e.g. ``runs/<run>/weights``)::
+
+    P/v00000007/k-0000.bin ...       keyframe frames, packed into shards of ~32 MiB
+    P/v00000007/d-0000.bin ...       delta frames (against version 6), packed the same way
+    P/v00000007/keyframe             empty marker: this version has keyframe frames
+    P/v00000007/manifest.json.zst    written LAST: the version exists once this object does
+    P/files/<xxh3-128 hex>           side files (config.json...), content-addressed
+
+A manifest (zstd-compressed JSON) lists, per tensor: name, dtype, shape, byte size, an xxh3-128
+digest, and per chunk of ``chunk_bytes``: the chunk's xxh3-128 digest and where its frames live
+(``k``: keyframe frame, ``d``: delta frame, each ``[shard, offset, length]``; a delta version omits
+``d`` for chunks that did not change). The tensor digest is xxh3-128 over the concatenated chunk
+digests, so it is computed in parallel and is stable for a given ``chunk_bytes``.
+Keyframe versions after the first also carry delta frames, so a reader one version behind never
+downloads a keyframe.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+import zstandard
+
+from infra.weightsync.errors import ManifestError
+
+FORMAT = "deltaloop-weights/1"
+MANIFEST = "manifest.json.zst"
+KEYFRAME_MARK = "keyframe"
+_VERSION_RE = re.compile(r"(?:^|/)v(\d{8})/(" + re.escape(MANIFEST) + "|" + KEYFRAME_MARK + r")$")
+
+
+def version_dir(prefix: str, version: int) -> str:
+    """``P/v00000007``."""
+    return f"{prefix.strip('/')}/v{version:08d}"
+
+
+def manifest_key(prefix: str, version: int) -> str:
+    return f"{version_dir(prefix, version)}/{MANIFEST}"
+
+
+def files_key(prefix: str, digest: str) -> str:
+    return f"{prefix.strip('/')}/files/{digest}"
+
+
+def digest(data: Any) -> str:
+    """xxh3-128 hex digest of a buffer."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def tensor_digest(chunk_digests: list[str]) -> str:
+    """A tensor's digest from its chunk digests."""
+    return xxhash.xxh3_128_hexdigest("".join(chunk_digests).encode())
+
+
+def scan_versions(keys: list[str]) -> tuple[list[int], set[int], set[int]]:
+    """From listed keys: (committed versions sorted, keyframe versions, every version dir seen)."""
+    committed: set[int] = set()
+    keyframes: set[int] = set()
+    seen: set[int] = set()
+    for key in keys:
+        m = re.search(r"(?:^|/)v(\d{8})/", key)
+        if m:
+            seen.add(int(m.group(1)))
+        m = _VERSION_RE.search(key)
+        if not m:
+            continue
+        v = int(m.group(1))
+        if m.group(2) == MANIFEST:
+            committed.add(v)
+        else:
+            keyframes.add(v)
+    return sorted(committed), keyframes & committed, seen
+
+
+@dataclass
+class ChunkEntry:
+    """One chunk of a tensor in one version."""
+
+    h: str
+    k: list | None = None  # [shard, offset, length] of the keyframe frame
+    d: list | None = None  # [shard, offset, length] of the delta frame; None = unchanged
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"h": self.h}
+        if self.k is not None:
+            out["k"] = self.k
+        if self.d is not None:
+            out["d"] = self.d
+        return out
+
+
+@dataclass
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    h: str
+    chunks: list[ChunkEntry]
+
+
+@dataclass
+class Manifest:
+    version: int
+    keyframe: bool
+    base: int | None  # version the delta frames are against (None: keyframe only)
+    chunk_bytes: int
+    shards: list[str]  # object names relative to the version dir
+    tensors: list[TensorEntry]
+    files: dict[str, str] = field(default_factory=dict)  # side file name -> digest
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "version": self.version,
+            "keyframe": self.keyframe,
+            "base": self.base,
+            "chunk_bytes": self.chunk_bytes,
+            "shards": self.shards,
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": t.shape,
+                    "nbytes": t.nbytes,
+                    "h": t.h,
+                    "chunks": [c.to_json() for c in t.chunks],
+                }
+                for t in self.tensors
+            ],
+            "files": self.files,
+            "meta": self.meta,
+        }
+        return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, version: int) -> "Manifest":
+        try:
+            doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30))
+            if doc.get("format") != FORMAT:
+                raise ManifestError(f"unknown manifest format {doc.get('format')!r}", version=version)
+            if doc["version"] != version:
+                raise ManifestError(f"manifest says version {doc['version']}", version=version)
+            tensors = [
+                TensorEntry(
+                    t["name"], t["dtype"], list(t["shape"]), int(t["nbytes"]), t["h"],
+                    [ChunkEntry(c["h"], c.get("k"), c.get("d")) for c in t["chunks"]],
+                )
+                for t in doc["tensors"]
+            ]
+            return cls(
+                doc["version"], bool(doc["keyframe"]), doc["base"], int(doc["chunk_bytes"]),
+                list(doc["shards"]), tensors, dict(doc.get("files", {})), dict(doc.get("meta", {})),
+            )
+        except ManifestError:
+            raise
+        except Exception as exc:  # any decode/shape problem of a committed manifest
+            raise ManifestError(f"unreadable manifest: {exc}", version=version) from exc
+
+    def signature(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """Names, dtypes and shapes, in order (what a delta needs to match)."""
+        return [(t.name, t.dtype, tuple(t.shape)) for t in self.tensors]

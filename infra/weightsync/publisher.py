@@ -1,0 +1,316 @@
+"""Publishing weight versions: encode on a thread pool while finished shards upload.
+
+:class:`VersionPublisher` keeps a private copy of the last published words (the base), so a
+delta never depends on what the caller does to its tensors afterwards. After a delta it updates the
+base only at the changed positions (a scatter of ~1% of the words instead of a full copy).
+
+Streaming and memory bound: chunks (``chunk_bytes``, default 4 MiB) are encoded by ``threads``
+workers with at most ``2 * threads`` chunks in flight; frames are appended in chunk order to
+shards of ``shard_bytes`` (default 32 MiB) that upload on ``io_threads`` threads while encoding
+continues, with at most ``2 * io_threads`` shards queued. Peak extra memory over the base copy is
+therefore about ``2*threads*chunk_bytes*3 + (2*io_threads+2)*shard_bytes`` (~350 MiB at defaults,
+only reached by keyframes; a delta at lr 1e-6 is ~0.5% of the model and fits in one shard).
+A version becomes visible when its manifest is written, after every shard upload succeeded; if
+publish fails midway nothing is visible, the base is marked unknown and the next version is a
+keyframe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from infra.weightsync.codec import CodecName, encode_delta, encode_raw
+from infra.weightsync.errors import IncompatibleTensors, WeightSyncError
+from infra.weightsync.layout import (
+    KEYFRAME_MARK,
+    ChunkEntry,
+    Manifest,
+    TensorEntry,
+    digest,
+    files_key,
+    manifest_key,
+    scan_versions,
+    tensor_digest,
+    version_dir,
+)
+from infra.weightsync.rawbytes import dtype_name, tensor_words, word_width
+
+if TYPE_CHECKING:
+    import torch
+
+    from infra.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PublishInfo:
+    """What one :meth:`VersionPublisher.publish` did."""
+
+    version: int
+    kind: str  # "keyframe" | "delta"
+    bytes_written: int
+    raw_bytes: int
+    seconds: float
+    changed_fraction: float
+
+
+def chunk_bounds(nwords: int, width: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Word ranges ``[start, end)`` of the chunks of a tensor."""
+    step = max(1, chunk_bytes // width)
+    return [(s, min(s + step, nwords)) for s in range(0, nwords, step)]
+
+
+class _Shards:
+    """Packs frames into shard objects and uploads full shards in the background."""
+
+    def __init__(self, store: "ObjectStore", vdir: str, tag: str, shard_bytes: int, io: ThreadPoolExecutor,
+                 pending: deque[Future]) -> None:
+        self.store, self.vdir, self.tag, self.limit = store, vdir, tag, shard_bytes
+        self.io, self.pending = io, pending
+        self.names: list[str] = []
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.written = 0
+
+    def add(self, frame: bytes) -> list:
+        if not self.parts:
+            self.names.append(f"{self.tag}-{len(self.names):04d}.bin")
+        loc = [len(self.names) - 1, self.size, len(frame)]
+        self.parts.append(frame)
+        self.size += len(frame)
+        if self.size >= self.limit:
+            self.flush()
+        return loc
+
+    def flush(self) -> None:
+        if not self.parts:
+            return
+        blob = b"".join(self.parts) if len(self.parts) > 1 else self.parts[0]
+        key = f"{self.vdir}/{self.names[-1]}"
+        self.pending.append(self.io.submit(self.store.put, key, blob))
+        self.written += len(blob)
+        self.parts, self.size = [], 0
+
+
+class VersionPublisher:
+    """Writes versions 1, 2, ... under ``prefix``: a keyframe every ``keyframe_every``, deltas between.
+
+    Constructed over a store that already holds versions, it continues after the newest committed
+    one, reading it back as the base (the first publish is a keyframe if that read fails).
+    """
+
+    def __init__(
+        self,
+        store: "ObjectStore",
+        prefix: str,
+        keyframe_every: int = 10,
+        codec: CodecName = "auto",
+        zstd_level: int = 1,
+        threads: int = 2,
+        *,
+        chunk_bytes: int = 4 << 20,
+        shard_bytes: int = 32 << 20,
+        io_threads: int = 4,
+        keep_versions: int = 0,
+    ) -> None:
+        if keyframe_every < 1:
+            raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
+        if codec not in ("auto", "xor", "sparse"):
+            raise ValueError(f"unknown codec {codec!r}; known: auto, xor, sparse")
+        self.store, self.prefix = store, prefix.strip("/")
+        self.keyframe_every, self.codec, self.level = keyframe_every, codec, zstd_level
+        self.threads, self.chunk_bytes, self.shard_bytes = max(1, threads), chunk_bytes, shard_bytes
+        self.io_threads, self.keep_versions = max(1, io_threads), keep_versions
+        self._base: dict[str, np.ndarray] | None = None  # name -> private copy of words
+        self._sig: list[tuple[str, str, tuple[int, ...]]] = []
+        self._digests: dict[str, list[str]] = {}
+        self._files: dict[str, str] = {}  # side-file name -> digest already stored
+        committed, _keys, seen = scan_versions(store.list(self.prefix + "/"))
+        self.version = committed[-1] if committed else 0
+        for orphan in sorted(v for v in seen if v > self.version):  # left by a killed publisher
+            for key in store.list(version_dir(self.prefix, orphan) + "/"):
+                store.delete(key)
+        if self.version:
+            self._resume()
+
+    def _resume(self) -> None:
+        from infra.weightsync.reader import VersionReader
+
+        reader = VersionReader(self.store, self.prefix, threads=self.threads)
+        try:
+            tensors, v = reader.fetch(self.version)
+            man = reader.manifest(v)
+        except WeightSyncError as exc:
+            log.warning("cannot read back version %d as base (%s); next version is a keyframe", self.version, exc)
+            return
+        if man.chunk_bytes != self.chunk_bytes:
+            log.info("version %d used chunk_bytes %d; next version is a keyframe", v, man.chunk_bytes)
+            return
+        self._base = {k: tensor_words(t).copy() for k, t in tensors.items()}
+        self._sig = man.signature()
+        self._digests = {t.name: [c.h for c in t.chunks] for t in man.tensors}
+        self._files = dict(man.files)
+
+    # ------------------------------------------------------------------------------- publish
+    def publish(
+        self,
+        tensors: dict[str, "torch.Tensor"],
+        *,
+        files: dict[str, bytes] | None = None,
+        meta: dict[str, Any] | None = None,
+        keyframe: bool | None = None,
+    ) -> PublishInfo:
+        """Publish ``tensors`` as the next version (keyframe or delta); returns what was written.
+
+        ``files`` are side files (e.g. ``config.json``) stored once by content; ``meta`` is free-form
+        JSON kept in the manifest; ``keyframe=True`` forces a keyframe.
+        """
+        t0 = time.perf_counter()
+        version = self.version + 1
+        names = list(tensors)
+        words = {n: tensor_words(tensors[n]) for n in names}
+        sig = [(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names]
+        has_base = self._base is not None and sig == self._sig
+        is_key = bool(keyframe) or not has_base or (version - 1) % self.keyframe_every == 0
+        if self._base is not None and not has_base and sig != self._sig:
+            log.info("version %d: tensor names/shapes/dtypes changed; writing a keyframe", version)
+        base = self._base if has_base else None
+        self._base = None  # unknown until this publish commits
+        try:
+            info, new_base = self._publish(version, names, tensors, words, sig, base, is_key, files, meta, t0)
+        except BaseException:
+            self._sig, self._digests = [], {}
+            raise
+        self._base = new_base
+        return info
+
+    def _publish(self, version, names, tensors, words, sig, base, is_key, files, meta, t0):  # noqa: ANN001, ANN202
+        vdir = version_dir(self.prefix, version)
+        pending: deque[Future] = deque()
+        written = 0
+        with ThreadPoolExecutor(self.threads, "ws-enc") as cpu, ThreadPoolExecutor(self.io_threads, "ws-io") as io:
+            kshards = _Shards(self.store, vdir, "k", self.shard_bytes, io, pending)
+            dshards = _Shards(self.store, vdir, "d", self.shard_bytes, io, pending)
+            new_base = base if base is not None else {n: np.empty_like(words[n]) for n in names}
+            jobs = []
+            for n in names:
+                w = words[n]
+                for ci, (s, e) in enumerate(chunk_bounds(len(w), w.dtype.itemsize, self.chunk_bytes)):
+                    jobs.append((n, ci, s, e))
+            entries: dict[str, list[ChunkEntry]] = {n: [] for n in names}
+            changed = total = 0
+            window: deque[tuple[tuple, Future]] = deque()
+            it = iter(jobs)
+
+            def job(n: str, ci: int, s: int, e: int) -> tuple[bytes | None, bytes | None, str, int]:
+                new = words[n][s:e]
+                old = new_base[n][s:e]
+                kf = encode_raw(new, self.level) if is_key else None
+                if base is None:
+                    np.copyto(old, new)
+                    return kf, None, digest(new), e - s
+                df, idx = encode_delta(old, new, self.codec, self.level)
+                if df is None:
+                    return kf, None, self._digests[n][ci], 0
+                nchanged = len(idx) if idx is not None else int(np.count_nonzero(old != new))
+                h = digest(new)
+                if idx is not None:
+                    old[idx] = new[idx]
+                else:
+                    np.copyto(old, new)
+                return kf, df, h, nchanged
+
+            def submit_next() -> bool:
+                spec = next(it, None)
+                if spec is None:
+                    return False
+                window.append((spec, cpu.submit(job, *spec)))
+                return True
+
+            for _ in range(2 * self.threads):
+                if not submit_next():
+                    break
+            while window:
+                (n, ci, s, e), fut = window.popleft()
+                kf, df, h, nchanged = fut.result()
+                submit_next()
+                entry = ChunkEntry(h)
+                if kf is not None:
+                    entry.k = kshards.add(kf)
+                if df is not None:
+                    entry.d = dshards.add(df)
+                entries[n].append(entry)
+                changed += nchanged
+                total += e - s
+                while len(pending) > 2 * self.io_threads:
+                    pending.popleft().result()
+            kshards.flush()
+            dshards.flush()
+            while pending:
+                pending.popleft().result()
+            written += kshards.written + dshards.written
+            file_digests, file_bytes = self._put_files(files or {})
+            written += file_bytes
+        if is_key:
+            self.store.put(f"{vdir}/{KEYFRAME_MARK}", b"")
+        shard_names = [f"k-{i:04d}.bin" for i in range(len(kshards.names))]
+        man = Manifest(
+            version=version,
+            keyframe=is_key,
+            base=(version - 1) if base is not None else None,
+            chunk_bytes=self.chunk_bytes,
+            shards=shard_names + dshards.names,
+            tensors=[
+                TensorEntry(n, s[1], list(s[2]), int(tensors[n].element_size() * tensors[n].numel()),
+                            tensor_digest([c.h for c in entries[n]]), entries[n])
+                for n, s in zip(names, sig)
+            ],
+            files=file_digests,
+            meta=dict(meta or {}),
+        )
+        # shard indices in entries are per kind; make them indices into man.shards
+        off = len(shard_names)
+        for t in man.tensors:
+            for c in t.chunks:
+                if c.d is not None:
+                    c.d = [c.d[0] + off, c.d[1], c.d[2]]
+        blob = man.to_bytes()
+        self.store.put(manifest_key(self.prefix, version), blob)  # commit point
+        written += len(blob)
+        self.version = version
+        self._sig = sig
+        self._digests = {n: [c.h for c in entries[n]] for n in names}
+        self._files = file_digests
+        raw = sum(t.nbytes for t in man.tensors)
+        if self.keep_versions:
+            from infra.weightsync.gc import collect
+
+            collect(self.store, self.prefix, self.keep_versions)
+        info = PublishInfo(
+            version=version,
+            kind="keyframe" if is_key else "delta",
+            bytes_written=written,
+            raw_bytes=raw,
+            seconds=time.perf_counter() - t0,
+            changed_fraction=(changed / total) if total else 0.0,
+        )
+        return info, new_base
+
+    def _put_files(self, files: dict[str, bytes]) -> tuple[dict[str, str], int]:
+        out: dict[str, str] = {}
+        written = 0
+        for name, data in files.items():
+            h = digest(data)
+            if h not in self._files.values() and not self.store.exists(files_key(self.prefix, h)):
+                self.store.put(files_key(self.prefix, h), data)
+                written += len(data)
+            out[name] = h
+        return out, written

@@ -1,0 +1,74 @@
+"""Raw-byte views of tensors: the codec never looks at float values, only at bits.
+
+A tensor is turned into a flat numpy array of unsigned words as wide as its element (1, 2, 4 or 8
+bytes; wider elements are split into 8-byte words), so bf16, fp16, fp32, fp8 and integer tensors go
+through the same code and reconstruction is bit-exact (NaN payloads included).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+_WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def word_width(element_size: int) -> int:
+    """Word width (bytes) used for elements of ``element_size`` bytes."""
+    for w in (8, 4, 2, 1):
+        if element_size % w == 0:
+            return w
+    return 1
+
+
+def word_dtype(width: int) -> type[np.unsignedinteger]:
+    """numpy unsigned dtype of ``width`` bytes."""
+    return _WORD[width]
+
+
+def tensor_bytes(t: "torch.Tensor") -> np.ndarray:
+    """The tensor's bytes as a flat uint8 numpy array (a view when already contiguous on CPU)."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.dtype == torch.uint8:
+        return t.numpy()
+    return t.view(torch.uint8).numpy()
+
+
+def tensor_words(t: "torch.Tensor") -> np.ndarray:
+    """The tensor's bytes viewed as unsigned words of :func:`word_width`."""
+    raw = tensor_bytes(t)
+    return raw.view(word_dtype(word_width(t.element_size())))
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> "torch.dtype":
+    """Inverse of :func:`dtype_name`; raises ValueError for an unknown name."""
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dt
+
+
+def bytes_to_tensor(buf: np.ndarray, dtype: "torch.dtype", shape: tuple[int, ...]) -> "torch.Tensor":
+    """Wrap a uint8 numpy buffer as a tensor of ``dtype``/``shape`` without copying."""
+    import torch
+
+    raw = torch.from_numpy(buf.view(np.uint8).reshape(-1))
+    if dtype != torch.uint8:
+        raw = raw.view(dtype)
+    return raw.reshape(shape)

@@ -1,0 +1,391 @@
+"""Reading weight versions: plan a replay, then download, decode and verify in a pipeline.
+
+A fetch of version ``T`` picks the cheapest intact path:
+
+1. from the caller's tensors at ``have_version`` ``h``: apply the delta frames of ``h+1..T``;
+2. else from the newest keyframe ``k <= T`` (then older ones): its keyframe frames, then the deltas
+   ``k+1..T``.
+
+Deltas are folded per chunk: every chunk is one buffer that each version's frame patches in place,
+so replaying nine deltas costs nine small scatters, not nine model copies. After every frame the
+chunk's xxh3-128 digest is checked against that version's manifest; before the first patch from the
+caller's tensors their digest is checked against version ``h`` (a wrong base fails as
+:class:`WrongBase`). A failure in one path (missing, truncated or corrupted object, wrong base) is
+recorded in ``last_errors`` and the next path is tried; with ``strict=True`` the first error is
+raised instead. When no path reaches the newest version and no explicit target was given, the
+newest intact keyframe is returned (its version is the second element of the result).
+
+Pipeline and memory bound: frames are fetched as byte ranges of shards (adjacent frames merged up
+to ``range_bytes``, default 8 MiB; ranged GETs in parallel on ``io_threads``), at most
+``budget_bytes`` (default 256 MiB) of downloaded-but-not-yet-applied data at a time; a range is
+decoded by ``threads`` workers as soon as it arrives and all earlier versions are applied. Peak
+memory is the output tensors (one model; none extra with ``inplace=True``) + ``budget_bytes`` +
+per worker about three chunk sizes (4 MiB chunks) of decode temporaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict, deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from infra.storage import ObjectNotFound
+from infra.weightsync.codec import decode_into
+from infra.weightsync.errors import (
+    CorruptData,
+    IncompatibleTensors,
+    MissingObject,
+    VersionNotFound,
+    WeightSyncError,
+    WrongBase,
+)
+from infra.weightsync.layout import Manifest, digest, files_key, manifest_key, scan_versions, version_dir
+from infra.weightsync.publisher import chunk_bounds
+from infra.weightsync.rawbytes import (
+    bytes_to_tensor,
+    dtype_from_name,
+    tensor_bytes,
+    word_dtype,
+    word_width,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from infra.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Range:
+    step: int
+    key: str
+    start: int
+    length: int
+    frames: list[tuple[int, int, int, int]] = field(default_factory=list)  # tensor, chunk, rel off, len
+
+
+class VersionReader:
+    """Reads committed versions under ``prefix`` (any number of readers, concurrently with a writer)."""
+
+    def __init__(
+        self,
+        store: "ObjectStore",
+        prefix: str,
+        threads: int = 2,
+        *,
+        io_threads: int = 8,
+        range_bytes: int = 8 << 20,
+        budget_bytes: int = 256 << 20,
+        strict: bool = False,
+        max_fallbacks: int = 3,
+    ) -> None:
+        self.store, self.prefix = store, prefix.strip("/")
+        self.threads, self.io_threads = max(1, threads), max(1, io_threads)
+        self.range_bytes, self.budget_bytes = range_bytes, budget_bytes
+        self.strict, self.max_fallbacks = strict, max_fallbacks
+        self._manifests: dict[int, Manifest] = {}
+        self.last_errors: list[WeightSyncError] = []
+        self.last_stats: dict[str, object] = {}
+
+    # ------------------------------------------------------------------------------ listing
+    def _scan(self) -> tuple[list[int], set[int]]:
+        committed, keyframes, _seen = scan_versions(self.store.list(self.prefix + "/"))
+        return committed, keyframes
+
+    def versions(self) -> list[int]:
+        """Committed versions, oldest first."""
+        return self._scan()[0]
+
+    def latest(self) -> int | None:
+        """Newest committed version (its manifest exists), or None."""
+        committed = self.versions()
+        return committed[-1] if committed else None
+
+    def manifest(self, version: int) -> Manifest:
+        """The manifest of a committed version (cached: manifests are immutable)."""
+        man = self._manifests.get(version)
+        if man is None:
+            try:
+                data = self.store.get(manifest_key(self.prefix, version))
+            except ObjectNotFound:
+                raise VersionNotFound("not committed (no manifest) or collected", version=version) from None
+            man = Manifest.from_bytes(data, version)
+            if len(self._manifests) > 256:
+                self._manifests.pop(next(iter(self._manifests)))
+            self._manifests[version] = man
+        return man
+
+    def files(self, version: int) -> dict[str, bytes]:
+        """Side files (e.g. ``config.json``) stored with ``version``, verified by digest."""
+        out: dict[str, bytes] = {}
+        for name, h in self.manifest(version).files.items():
+            try:
+                data = self.store.get(files_key(self.prefix, h))
+            except ObjectNotFound:
+                raise MissingObject(f"side file {name!r} is missing", version=version) from None
+            if digest(data) != h:
+                raise CorruptData(f"side file {name!r} checksum mismatch", version=version)
+            out[name] = data
+        return out
+
+    # -------------------------------------------------------------------------------- fetch
+    def fetch(
+        self,
+        target: int | None = None,
+        have: dict[str, "torch.Tensor"] | None = None,
+        have_version: int | None = None,
+        *,
+        inplace: bool = False,
+    ) -> tuple[dict[str, "torch.Tensor"], int]:
+        """Return ``(tensors, version)`` for ``target`` (default: the newest committed version).
+
+        ``have``/``have_version``: the caller's tensors at that version, so only later deltas are
+        downloaded. ``have`` is not modified unless ``inplace=True`` (then it is patched and returned;
+        after a failed fetch it may hold a mix of versions and must not be passed as ``have`` again).
+        """
+        t0 = time.perf_counter()
+        self.last_errors = []
+        committed, keyframes = self._scan()
+        if not committed:
+            raise VersionNotFound(f"no committed version under {self.store.uri}/{self.prefix}")
+        explicit = target is not None
+        goal = int(target) if explicit else committed[-1]
+        if goal not in committed:
+            raise VersionNotFound(f"not committed (newest is {committed[-1]})", version=goal)
+        cset = set(committed)
+        plans: list[tuple[int, int | None]] = []  # (target, keyframe or None = from have)
+        if have is not None and have_version is not None and have_version <= goal:
+            plans.append((goal, None))
+        keys = sorted((k for k in keyframes if k <= goal), reverse=True)
+        plans += [(goal, k) for k in keys[: self.max_fallbacks]]
+        if not explicit:  # last resort: the newest intact keyframe itself
+            plans += [(k, k) for k in keys[1 : 1 + self.max_fallbacks]]
+        for goal_v, key in plans:
+            try:
+                steps = self._chain(goal_v, have_version if key is None else key, cset)
+                out = self._run(goal_v, key, steps, have if key is None else None, have_version, inplace)
+            except WeightSyncError as exc:
+                if self.strict:
+                    raise
+                log.warning("weight fetch path %s -> %d failed: %s", "have" if key is None else f"keyframe {key}",
+                            goal_v, exc)
+                self.last_errors.append(exc)
+                continue
+            self.last_stats["seconds"] = time.perf_counter() - t0
+            self.last_stats["path"] = "have" if key is None else f"keyframe {key}"
+            return out, goal_v
+        if self.last_errors:
+            raise self.last_errors[0]
+        raise VersionNotFound("no keyframe at or below it and no usable base", version=goal)
+
+    def _chain(self, goal: int, start: int | None, committed: set[int]) -> list[int]:
+        """Delta versions to apply after ``start`` to reach ``goal`` (checks they exist and chain)."""
+        assert start is not None
+        steps = list(range(start + 1, goal + 1))
+        for v in steps:
+            if v not in committed:
+                raise VersionNotFound("missing in the delta chain", version=v)
+            man = self.manifest(v)
+            if man.base != v - 1:
+                raise VersionNotFound(f"has no delta against version {v - 1}", version=v)
+        return steps
+
+    # ------------------------------------------------------------------------- execution
+    def _run(
+        self,
+        goal: int,
+        key: int | None,
+        deltas: list[int],
+        have: dict[str, "torch.Tensor"] | None,
+        have_version: int | None,
+        inplace: bool,
+    ) -> dict[str, "torch.Tensor"]:
+        start_v = key if key is not None else have_version
+        assert start_v is not None
+        start = self.manifest(start_v)
+        final = self.manifest(goal)
+        sig = start.signature()
+        for v in deltas:
+            man = self.manifest(v)
+            if man.signature() != sig or man.chunk_bytes != start.chunk_bytes:
+                raise IncompatibleTensors("tensor layout differs from its base", version=v)
+        tensors = start.tensors
+        bounds = [
+            chunk_bounds(t.nbytes // word_width(dtype_from_name(t.dtype).itemsize),
+                         word_width(dtype_from_name(t.dtype).itemsize), start.chunk_bytes)
+            for t in tensors
+        ]
+        bufs: list[np.ndarray] = []
+        if have is not None:
+            names = [t.name for t in tensors]
+            if sorted(have) != sorted(names):
+                extra = sorted(set(have) ^ set(names))
+                raise IncompatibleTensors("tensor names differ from the base", version=start_v, tensor=extra[0])
+            for t in tensors:
+                h = have[t.name]
+                from infra.weightsync.rawbytes import dtype_name
+
+                if dtype_name(h.dtype) != t.dtype or list(h.shape) != t.shape:
+                    raise IncompatibleTensors(
+                        f"have {dtype_name(h.dtype)}{list(h.shape)}, version has {t.dtype}{t.shape}",
+                        version=start_v, tensor=t.name,
+                    )
+                raw = tensor_bytes(h)
+                bufs.append(raw if inplace else raw.copy())
+        else:
+            bufs = [np.empty(t.nbytes, np.uint8) for t in tensors]
+        words = [b.view(word_dtype(word_width(dtype_from_name(t.dtype).itemsize))) for b, t in zip(bufs, tensors)]
+        touched = [[False] * len(b) for b in bounds]
+        steps: list[tuple[int, str, Manifest]] = []
+        if key is not None:
+            steps.append((key, "k", start))
+        steps += [(v, "d", self.manifest(v)) for v in deltas]
+        ranges = self._ranges(steps)
+        self.last_stats = {"bytes_read": sum(r.length for r in ranges), "versions": [s[0] for s in steps]}
+
+        def decode(step: int, ti: int, ci: int, frame: memoryview) -> None:
+            v, kind, man = steps[step]
+            t = man.tensors[ti]
+            s, e = bounds[ti][ci]
+            buf = words[ti][s:e]
+            if not touched[ti][ci] and kind == "d":
+                base_h = self.manifest(v - 1).tensors[ti].chunks[ci].h
+                if digest(buf) != base_h:
+                    raise WrongBase(f"chunk {ci}: the tensors given are not version {v - 1} (digest differs)",
+                                    version=v, tensor=t.name)
+            try:
+                decode_into(frame, buf)
+            except Exception as exc:  # malformed frame: any decoder complaint is corruption
+                raise CorruptData(f"chunk {ci}: cannot decode {kind} frame: {exc}", version=v, tensor=t.name) from exc
+            touched[ti][ci] = True
+            if digest(buf) != t.chunks[ci].h:
+                raise CorruptData(f"chunk {ci}: checksum mismatch after decoding {kind} frame",
+                                  version=v, tensor=t.name)
+
+        self._schedule(steps, ranges, decode)
+        # chunks no delta touched still hold the caller's words: verify them against the goal
+        untouched = [(ti, ci) for ti, row in enumerate(touched) for ci, done in enumerate(row) if not done]
+        if untouched:
+            def check(ti: int, ci: int) -> None:
+                s, e = bounds[ti][ci]
+                if digest(words[ti][s:e]) != final.tensors[ti].chunks[ci].h:
+                    raise WrongBase("the tensors given are not the claimed version", version=have_version,
+                                    tensor=tensors[ti].name)
+
+            with ThreadPoolExecutor(self.threads) as pool:
+                for f in [pool.submit(check, ti, ci) for ti, ci in untouched]:
+                    f.result()
+        out: dict[str, "torch.Tensor"] = {}
+        for t, b in zip(tensors, bufs):
+            tt = bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape))
+            if inplace and have is not None:
+                h = have[t.name]
+                if h.data_ptr() != tt.data_ptr():
+                    h.copy_(tt)
+                tt = h
+            out[t.name] = tt
+        return out
+
+    def _ranges(self, steps: list[tuple[int, str, Manifest]]) -> list[_Range]:
+        """Byte ranges to download, in step order; adjacent frames of a shard merged."""
+        out: list[_Range] = []
+        for si, (v, kind, man) in enumerate(steps):
+            per_shard: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+            for ti, t in enumerate(man.tensors):
+                for ci, c in enumerate(t.chunks):
+                    loc = c.k if kind == "k" else c.d
+                    if loc is None:
+                        if kind == "k":
+                            raise CorruptData(f"chunk {ci} has no keyframe frame", version=v, tensor=t.name)
+                        continue
+                    per_shard[loc[0]].append((loc[1], loc[2], ti, ci))
+            for shard, frames in sorted(per_shard.items()):
+                frames.sort()
+                cur: _Range | None = None
+                for off, ln, ti, ci in frames:
+                    if cur is None or off != cur.start + cur.length or cur.length + ln > self.range_bytes:
+                        cur = _Range(si, f"{version_dir(self.prefix, v)}/{man.shards[shard]}", off, 0)
+                        out.append(cur)
+                    cur.frames.append((ti, ci, off - cur.start, ln))
+                    cur.length += ln
+        return out
+
+    def _download(self, r: _Range, steps: list[tuple[int, str, Manifest]]) -> bytes:
+        v, _kind, man = steps[r.step]
+        first = man.tensors[r.frames[0][0]].name
+        try:
+            data = self.store.get_range(r.key, r.start, r.length)
+        except ObjectNotFound:
+            raise MissingObject(f"object {r.key} is missing", version=v, tensor=first) from None
+        if len(data) != r.length:
+            raise CorruptData(f"object {r.key} truncated: got {len(data)} of {r.length} bytes at {r.start}",
+                              version=v, tensor=first)
+        return data
+
+    def _schedule(self, steps, ranges: list[_Range], decode) -> None:  # noqa: ANN001
+        """Download ranges (bounded bytes in flight) and decode each once earlier steps are applied."""
+        queue = deque(ranges)
+        left_in_step = [0] * len(steps)
+        for r in ranges:
+            left_in_step[r.step] += len(r.frames)
+        left_in_range: dict[int, int] = {id(r): len(r.frames) for r in ranges}
+        parked: dict[int, list[tuple[_Range, bytes]]] = defaultdict(list)
+        downloads: dict[Future, _Range] = {}
+        decodes: dict[Future, _Range] = {}
+        used = 0
+        current = 0
+        error: BaseException | None = None
+        with ThreadPoolExecutor(self.io_threads, "ws-get") as io, ThreadPoolExecutor(self.threads, "ws-dec") as cpu:
+
+            def dispatch(r: _Range, data: bytes) -> None:
+                mv = memoryview(data)
+                for ti, ci, off, ln in r.frames:
+                    decodes[cpu.submit(decode, r.step, ti, ci, mv[off : off + ln])] = r
+
+            def advance() -> None:
+                nonlocal current
+                while current < len(steps) and left_in_step[current] == 0:
+                    current += 1
+                    for r, data in parked.pop(current, []):
+                        dispatch(r, data)
+
+            advance()
+            while error is None and (queue or downloads or decodes):
+                while queue and len(downloads) < 2 * self.io_threads and (
+                    used == 0 or used + queue[0].length <= self.budget_bytes
+                ):
+                    r = queue.popleft()
+                    used += r.length
+                    downloads[io.submit(self._download, r, steps)] = r
+                done, _ = wait(list(downloads) + list(decodes), return_when=FIRST_COMPLETED)
+                for f in done:
+                    if f in downloads:
+                        r = downloads.pop(f)
+                        if f.exception() is not None:
+                            error = error or f.exception()
+                            continue
+                        if r.step == current:
+                            dispatch(r, f.result())
+                        else:
+                            parked[r.step].append((r, f.result()))
+                    else:
+                        r = decodes.pop(f)
+                        if f.exception() is not None:
+                            error = error or f.exception()
+                            continue
+                        left_in_range[id(r)] -= 1
+                        left_in_step[r.step] -= 1
+                        if left_in_range[id(r)] == 0:
+                            used -= r.length
+                        advance()
+            for f in list(downloads) + list(decodes):
+                f.cancel()
+        if error is not None:
+            raise error
