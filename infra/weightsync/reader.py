@@ -49,6 +49,7 @@ from infra.weightsync.publisher import chunk_bounds
 from infra.weightsync.rawbytes import (
     bytes_to_tensor,
     dtype_from_name,
+    dtype_name,
     tensor_bytes,
     word_dtype,
     word_width,
@@ -166,7 +167,7 @@ class VersionReader:
         keys = sorted((k for k in keyframes if k <= goal), reverse=True)
         plans += [(goal, k) for k in keys[: self.max_fallbacks]]
         if not explicit:  # last resort: the newest intact keyframe itself
-            plans += [(k, k) for k in keys[1 : 1 + self.max_fallbacks]]
+            plans += [(k, k) for k in keys[: self.max_fallbacks] if k != goal]
         for goal_v, key in plans:
             try:
                 steps = self._chain(goal_v, have_version if key is None else key, cset)
@@ -230,8 +231,6 @@ class VersionReader:
                 raise IncompatibleTensors("tensor names differ from the base", version=start_v, tensor=extra[0])
             for t in tensors:
                 h = have[t.name]
-                from infra.weightsync.rawbytes import dtype_name
-
                 if dtype_name(h.dtype) != t.dtype or list(h.shape) != t.shape:
                     raise IncompatibleTensors(
                         f"have {dtype_name(h.dtype)}{list(h.shape)}, version has {t.dtype}{t.shape}",

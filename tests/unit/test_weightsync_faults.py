@@ -1,0 +1,173 @@
+"""Faults: truncated / corrupted / missing objects, wrong base, publisher killed mid-upload.
+
+In every case the reader never returns a partial version, the error names version and tensor, and a
+non-strict reader recovers from the newest intact keyframe.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra.storage import FileStore
+from infra.weightsync import (
+    CorruptData,
+    ManifestError,
+    MissingObject,
+    VersionPublisher,
+    VersionReader,
+    WrongBase,
+)
+from tests.unit.weightsync_helpers import Drift, same
+
+PREFIX = "runs/f/weights"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> FileStore:
+    return FileStore(tmp_path / "store")
+
+
+def _history(store: FileStore, n: int = 4, k: int = 2) -> list[dict[str, torch.Tensor]]:
+    """Versions 1..n with keyframes every k (k=2: keyframes 1, 3; deltas 2, 4)."""
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, keyframe_every=k, chunk_bytes=16 << 10)
+    out = []
+    for _ in range(n):
+        out.append(d.bf16())
+        pub.publish(out[-1])
+        d.step()
+    return out
+
+
+def _path(store: FileStore, version: int, shard: str) -> Path:
+    return store.root / PREFIX / f"v{version:08d}" / shard
+
+
+def test_truncated_delta_names_version_and_tensor(store: FileStore) -> None:
+    h = _history(store)
+    p = _path(store, 4, "d-0000.bin")
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    have, _ = VersionReader(store, PREFIX).fetch(3)
+    with pytest.raises(CorruptData) as err:
+        VersionReader(store, PREFIX, strict=True).fetch(have=have, have_version=3)
+    assert "version 4" in str(err.value) and "tensor '" in str(err.value)
+    assert err.value.version == 4 and err.value.tensor
+    # non-strict: no path reaches 4, so it returns the newest intact keyframe (3)
+    rd = VersionReader(store, PREFIX)
+    got, v = rd.fetch(have=have, have_version=3)
+    assert v == 3 and same(got, h[2]) and rd.last_errors
+    with pytest.raises(CorruptData):  # an explicit target is never silently replaced
+        rd.fetch(4)
+
+
+def test_corrupted_byte_detected(store: FileStore) -> None:
+    _history(store)
+    p = _path(store, 2, "d-0000.bin")
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    p.write_bytes(bytes(data))
+    with pytest.raises(CorruptData) as err:
+        VersionReader(store, PREFIX, strict=True).fetch(2)
+    assert err.value.version == 2 and err.value.tensor
+
+
+def test_corrupt_keyframe_recovers_from_older_keyframe(store: FileStore) -> None:
+    h = _history(store)
+    p = _path(store, 3, "k-0000.bin")
+    data = bytearray(p.read_bytes())
+    data[100] ^= 0xFF
+    p.write_bytes(bytes(data))
+    rd = VersionReader(store, PREFIX)
+    got, v = rd.fetch()  # late joiner: keyframe 3 is bad -> keyframe 1 + deltas 2, 3, 4
+    assert v == 4 and same(got, h[3])
+    assert rd.last_stats["versions"] == [1, 2, 3, 4]
+    assert isinstance(rd.last_errors[0], CorruptData) and rd.last_errors[0].version == 3
+
+
+def test_missing_object(store: FileStore) -> None:
+    h = _history(store)
+    _path(store, 3, "k-0000.bin").unlink()
+    with pytest.raises(MissingObject) as err:
+        VersionReader(store, PREFIX, strict=True).fetch(3)
+    assert err.value.version == 3 and err.value.tensor and err.value.retryable
+    got, v = VersionReader(store, PREFIX).fetch(3)
+    assert v == 3 and same(got, h[2])
+
+
+def test_wrong_base_detected_and_recovered(store: FileStore) -> None:
+    h = _history(store)
+    rd = VersionReader(store, PREFIX, strict=True)
+    wrong, _ = rd.fetch(1)
+    with pytest.raises(WrongBase) as err:
+        rd.fetch(4, have=wrong, have_version=3)  # claims version 3, holds version 1
+    assert err.value.tensor and err.value.version == 4
+    got, v = VersionReader(store, PREFIX).fetch(4, have=wrong, have_version=3)
+    assert v == 4 and same(got, h[3])
+
+
+def test_corrupt_manifest(store: FileStore) -> None:
+    _history(store, n=2)
+    (store.root / PREFIX / "v00000002" / "manifest.json.zst").write_bytes(b"garbage")
+    with pytest.raises(ManifestError) as err:
+        VersionReader(store, PREFIX, strict=True).fetch(2)
+    assert err.value.version == 2
+
+
+_KILLED_PUBLISHER = r"""
+import sys, time, torch
+from infra.storage import FileStore
+from infra.weightsync import VersionPublisher
+
+class SlowStore(FileStore):  # a slow link: every PUT takes a while, so the kill lands mid-upload
+    def put(self, key, data):
+        time.sleep(0.3)
+        super().put(key, data)
+
+store = SlowStore(sys.argv[1])
+pub = VersionPublisher(store, "runs/f/weights", keyframe_every=100, chunk_bytes=16 << 10,
+                       shard_bytes=16 << 10, io_threads=1)
+g = torch.Generator().manual_seed(5)
+pub.publish({"w": (torch.randn(400_000, generator=g)).to(torch.bfloat16)})
+print("never", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_publisher_killed_mid_upload(store: FileStore, tmp_path: Path) -> None:
+    h = _history(store, n=2, k=100)
+    script = tmp_path / "pub.py"
+    script.write_text(_KILLED_PUBLISHER)
+    proc = subprocess.Popen([sys.executable, str(script), str(store.root)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        v3 = store.root / PREFIX / "v00000003"
+        deadline = time.monotonic() + 60
+        while not (v3.is_dir() and any(v3.glob("*.bin"))):
+            assert proc.poll() is None and time.monotonic() < deadline, "publisher ended before uploading"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert any(v3.glob("*.bin")) and not (v3 / "manifest.json.zst").exists()
+    rd = VersionReader(store, PREFIX)
+    assert rd.latest() == 2
+    got, v = rd.fetch()
+    assert v == 2 and same(got, h[1])
+    # a new publisher continues after 2, cleans the orphan, and its version 3 is complete
+    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10)
+    d = Drift()
+    for _ in range(3):
+        d.step()
+    info = pub.publish(d.bf16())
+    assert info.version == 3 and info.kind == "delta"
+    got, v = rd.fetch(have=got, have_version=2)
+    assert v == 3 and same(got, d.bf16())

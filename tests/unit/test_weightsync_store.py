@@ -1,0 +1,183 @@
+"""Version store over file://: keyframe cadence, replay, folding, resume, GC, concurrency."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from infra.storage import FileStore
+from infra.weightsync import VersionPublisher, VersionReader, collect
+from infra.weightsync.layout import scan_versions
+from tests.unit.weightsync_helpers import Drift, same
+
+PREFIX = "runs/t/weights"
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> FileStore:
+    return FileStore(tmp_path / "store")
+
+
+def _publish(store: FileStore, n: int, k: int = 3, **kw) -> tuple[VersionPublisher, list[dict[str, torch.Tensor]]]:
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, keyframe_every=k, chunk_bytes=16 << 10, shard_bytes=64 << 10, **kw)
+    history = []
+    for _ in range(n):
+        t = d.bf16()
+        history.append(t)
+        pub.publish(t)
+        d.step()
+    return pub, history
+
+
+def test_keyframe_cadence_and_kinds(store: FileStore) -> None:
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, keyframe_every=3, chunk_bytes=16 << 10)
+    kinds = []
+    for _ in range(7):
+        info = pub.publish(d.bf16())
+        kinds.append((info.version, info.kind))
+        assert info.raw_bytes > 0 and info.bytes_written > 0
+        d.step()
+    assert kinds == [(1, "keyframe"), (2, "delta"), (3, "delta"), (4, "keyframe"), (5, "delta"), (6, "delta"),
+                     (7, "keyframe")]
+    committed, keyframes, _ = scan_versions(store.list(PREFIX + "/"))
+    assert committed == list(range(1, 8)) and keyframes == {1, 4, 7}
+
+
+def test_delta_is_small_and_changed_fraction(store: FileStore) -> None:
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, keyframe_every=100)
+    full = pub.publish(d.bf16())
+    d.step(lr=1e-6)
+    delta = pub.publish(d.bf16())
+    assert delta.kind == "delta" and 0 < delta.changed_fraction < 0.2
+    assert delta.bytes_written < 0.2 * full.bytes_written
+
+
+def test_every_version_replays_bit_exact(store: FileStore) -> None:
+    _pub, history = _publish(store, 8)
+    rd = VersionReader(store, PREFIX)
+    assert rd.latest() == 8
+    for v in range(1, 9):
+        got, ver = rd.fetch(v)
+        assert ver == v and same(got, history[v - 1])
+        # late joiner: starts at the newest keyframe <= v and folds the deltas after it
+        assert rd.last_stats["versions"][0] == 1 + 3 * ((v - 1) // 3)
+
+
+def test_incremental_fetch_reads_only_deltas(store: FileStore) -> None:
+    pub, history = _publish(store, 2, k=100)
+    rd = VersionReader(store, PREFIX)
+    have, hv = rd.fetch(1)
+    got, v = rd.fetch(have=have, have_version=hv)
+    assert v == 2 and same(got, history[1]) and rd.last_stats["path"] == "have"
+    assert same(have, history[0])  # not modified without inplace
+    d = Drift()
+    d.step(), d.step()
+    t3 = d.bf16()
+    pub.publish(t3)
+    got3, v3 = rd.fetch(have=got, have_version=2, inplace=True)
+    assert v3 == 3 and same(got3, t3) and same(got, t3)  # patched in place
+
+
+def test_keyframe_versions_carry_a_delta(store: FileStore) -> None:
+    _pub, history = _publish(store, 4, k=3)  # 4 is a keyframe
+    rd = VersionReader(store, PREFIX)
+    have, _ = rd.fetch(3)
+    got, v = rd.fetch(have=have, have_version=3)
+    assert v == 4 and same(got, history[3]) and rd.last_stats["versions"] == [4]
+    assert rd.last_stats["bytes_read"] < 0.5 * store.size(f"{PREFIX}/v00000004/k-0000.bin")
+
+
+def test_resume_continues_with_delta(store: FileStore) -> None:
+    _pub, history = _publish(store, 2, k=10)
+    pub2 = VersionPublisher(store, PREFIX, keyframe_every=10, chunk_bytes=16 << 10, shard_bytes=64 << 10)
+    assert pub2.version == 2
+    d = Drift()
+    for _ in range(2):
+        d.step()
+    info = pub2.publish(d.bf16())
+    assert info.version == 3 and info.kind == "delta"
+    got, _ = VersionReader(store, PREFIX).fetch(3)
+    assert same(got, d.bf16())
+
+
+def test_layout_change_forces_keyframe(store: FileStore) -> None:
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, keyframe_every=100)
+    pub.publish(d.bf16())
+    t = d.bf16()
+    t["new.bias"] = torch.zeros(3, dtype=torch.float16)
+    assert pub.publish(t).kind == "keyframe"
+    got, _ = VersionReader(store, PREFIX).fetch()
+    assert same(got, t)
+
+
+def test_side_files_and_meta(store: FileStore) -> None:
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX)
+    pub.publish(d.bf16(), files={"config.json": b'{"a": 1}'}, meta={"step": 7})
+    rd = VersionReader(store, PREFIX)
+    assert rd.files(1) == {"config.json": b'{"a": 1}'}
+    assert rd.manifest(1).meta == {"step": 7}
+
+
+def test_gc_keeps_what_readers_need(store: FileStore) -> None:
+    _pub, history = _publish(store, 8, k=3)  # keyframes 1, 4, 7
+    deleted = collect(store, PREFIX, keep=3)  # keep 6,7,8 -> anchor keyframe 4
+    assert deleted == [1, 2, 3]
+    rd = VersionReader(store, PREFIX)
+    assert rd.versions() == [4, 5, 6, 7, 8]
+    for v in (4, 6, 8):
+        got, _ = rd.fetch(v)
+        assert same(got, history[v - 1])
+    assert not store.list(f"{PREFIX}/v00000001/")
+
+
+def test_gc_from_publisher(store: FileStore) -> None:
+    _pub, history = _publish(store, 9, k=2, keep_versions=2)
+    rd = VersionReader(store, PREFIX)
+    assert rd.versions()[0] >= 7 and rd.latest() == 9
+    got, _ = rd.fetch()
+    assert same(got, history[-1])
+
+
+def test_concurrent_readers_and_writer(store: FileStore) -> None:
+    d = Drift(scale=4)
+    pub = VersionPublisher(store, PREFIX, keyframe_every=3, chunk_bytes=16 << 10, shard_bytes=32 << 10,
+                           keep_versions=4)
+    history: dict[int, dict[str, torch.Tensor]] = {}
+    history[pub.publish(d.bf16()).version] = d.bf16()
+    stop = threading.Event()
+    failures: list[str] = []
+    seen: list[int] = []
+
+    def reader() -> None:
+        rd = VersionReader(store, PREFIX)
+        have, hv = None, None
+        while not stop.is_set():
+            got, v = rd.fetch(have=have, have_version=hv)
+            if not same(got, history[v]):
+                failures.append(f"version {v} not bit-exact")
+            have, hv = got, v
+            seen.append(v)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(12):
+            d.step()
+            t = d.bf16()
+            history[pub.version + 1] = t
+            pub.publish(t)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures
+    assert seen
