@@ -1,4 +1,4 @@
-"""Shared helpers of the weight-sync tests (a small bf16 'model' that drifts like RL updates)."""
+"""Test helpers for weight sync: a small bf16 model that drifts like RL updates, bit-exact compare."""
 
 from __future__ import annotations
 
