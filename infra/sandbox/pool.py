@@ -1,0 +1,421 @@
+"""The sandbox pool: a warm buffer of sandboxes in front of a runtime, and job scheduling.
+
+Sizing rule (DESIGN.md): keep at least one sandbox per in-flight job plus the rate at which jobs
+consume sandboxes (retirements), so a scoring batch never waits for a cold start:
+
+    target = clamp(ceil(demand × (1 + retire_rate)), min_warm, max_warm)
+    demand = min(concurrency, jobs submitted and not finished)
+
+``retire_rate`` is an exponential average of "this job retired its sandbox" (anomaly, death, recycle
+limit). A background *warmer* thread starts sandboxes up to the target; sandboxes above it are
+retired only after ``idle_timeout_s`` of quiet, so the buffer survives the gaps between RL steps.
+A job that finds no idle sandbox starts one itself (counted as queue wait).
+
+Every job gets exactly one result: a sandbox that dies or stops answering becomes a scored failure
+(``killed``, ``memory`` or ``timeout``) and is replaced. Only infrastructure failure — no sandbox can
+be started at all — raises :class:`~infra.sandbox.types.SandboxError` (retryable).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Protocol, TypeVar
+
+from infra.config import SandboxConfig
+from infra.sandbox import protocol
+from infra.sandbox.handle import RunnerHandle
+from infra.sandbox.types import ExecResult, SandboxDied, SandboxError, VerifyRequest, VerifyResult
+
+T = TypeVar("T")
+_SAMPLES = 20000
+_EWMA = 0.05
+
+
+class Runtime(Protocol):
+    """What a runtime module provides to the pool."""
+
+    name: str
+
+    def spawn(self) -> RunnerHandle:
+        """Start one sandbox and return it ready (raises SandboxError)."""
+
+    def naive(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Run one job in a brand-new sandbox (benchmark baseline)."""
+
+    def close(self) -> None:
+        """Release shared resources (sweep leftover containers)."""
+
+
+def _pct(values: "deque[float] | list[float]", q: float) -> float:
+    if not values:
+        return 0.0
+    data = sorted(values)
+    k = min(len(data) - 1, max(0, int(round(q * (len(data) - 1)))))
+    return data[k]
+
+
+class SandboxPool:
+    """Warm sandboxes + a bounded job executor. Thread-safe; use :func:`infra.sandbox.create_pool`."""
+
+    def __init__(self, cfg: SandboxConfig, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.runtime = runtime
+        self._cond = threading.Condition()
+        self._idle: deque[tuple[RunnerHandle, float]] = deque()
+        self._handles: set[RunnerHandle] = set()
+        self._live = 0  # idle + busy + starting
+        self._starting = 0
+        self._waiters = 0
+        self._inflight = 0
+        self._retire_rate = 0.0
+        self._last_activity = time.monotonic()
+        self._spawn_failures = 0
+        self._last_spawn_error = ""
+        self._started = False
+        self._closed = False
+        self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="sandbox-job")
+        self._wake = threading.Event()
+        self._warmer: threading.Thread | None = None
+        # metrics
+        self._m_lock = threading.Lock()
+        self._reset_metrics()
+
+    # ------------------------------------------------------------------------- lifecycle
+    def start(self) -> "SandboxPool":
+        """Start ``min_warm`` sandboxes (in parallel) and the warmer thread. Idempotent."""
+        with self._cond:
+            if self._closed:
+                raise SandboxError("pool is closed", retryable=False)
+            if self._started:
+                return self
+            self._started = True
+        n = self.cfg.min_warm
+        threads = [threading.Thread(target=self._spawn_one, daemon=True) for _ in range(n)]
+        with self._cond:
+            self._live += n
+            self._starting += n
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if n and not self._idle and self._spawn_failures:
+            self.close()
+            raise SandboxError(f"no sandbox could be started: {self._last_spawn_error}")
+        self._warmer = threading.Thread(target=self._warm_loop, name="sandbox-warmer", daemon=True)
+        self._warmer.start()
+        return self
+
+    def close(self) -> None:
+        """Kill every sandbox (busy ones too: their jobs end as ``killed``). Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            handles = list(self._handles)
+            self._idle.clear()
+            self._cond.notify_all()
+        self._wake.set()
+        for h in handles:
+            h.close()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._warmer is not None:
+            self._warmer.join(timeout=5)
+        # Sandboxes still starting register themselves and see _closed: close once more after them.
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while self._starting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for h in list(self._handles):
+            h.close()
+        self.runtime.close()
+
+    def __enter__(self) -> "SandboxPool":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------ jobs
+    def verify_many(self, reqs: list[VerifyRequest]) -> list[VerifyResult]:
+        """Score every request; one result per request, in order. Never raises for a job's failure."""
+        futures = [self._submit(self._verify_one, r) for r in reqs]
+        return [f.result() for f in futures]
+
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        """Score one request."""
+        return self.verify_many([req])[0]
+
+    def exec(self, program: str, timeout_s: float | None = None) -> ExecResult:
+        """Run ``program`` as ``__main__`` in a sandbox."""
+        return self._submit(self._exec_one, program, timeout_s).result()
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+        if not self._started:
+            self.start()
+        with self._cond:
+            if self._closed:
+                raise SandboxError("pool is closed", retryable=False)
+            self._inflight += 1
+            self._last_activity = time.monotonic()
+        self._wake.set()
+        return self._executor.submit(self._tracked, fn, time.monotonic(), *args)
+
+    def _tracked(self, fn: Callable[..., T], t_submit: float, *args: Any) -> T:
+        try:
+            return fn(t_submit, *args)
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._last_activity = time.monotonic()
+
+    def _verify_one(self, t_submit: float, req: VerifyRequest) -> VerifyResult:
+        timeout = req.timeout_s or self.cfg.timeout_s
+        job = protocol.verify_job(req, timeout)
+        outcome = self._run(job, t_submit)
+        if isinstance(outcome, tuple):
+            return protocol.failure_verify(req, *outcome)
+        return protocol.to_verify_result(req, outcome)
+
+    def _exec_one(self, t_submit: float, program: str, timeout_s: float | None) -> ExecResult:
+        job = protocol.exec_job(program, timeout_s or self.cfg.timeout_s)
+        outcome = self._run(job, t_submit)
+        if isinstance(outcome, tuple):
+            return protocol.failure_exec(*outcome)
+        return protocol.to_exec_result(outcome)
+
+    def _run(self, job: dict[str, Any], t_submit: float) -> "dict[str, Any] | tuple[str, str, float]":
+        """Run a job on some sandbox: the runner's reply, or (reason, message, wall) on sandbox death."""
+        for attempt in range(2):
+            handle = self._acquire()
+            t_acq = time.monotonic()
+            try:
+                reply = handle.call(job, float(job["timeout"]) + self.cfg.kill_grace_s)
+            except SandboxDied as exc:
+                wall = time.monotonic() - t_acq
+                msg = str(exc)
+                unreachable = msg.startswith("runner unreachable")
+                reason = "timeout" if "in time" in msg else handle.transport.death_reason()
+                self._release(handle, retire=True)
+                self._record_error()
+                if unreachable and attempt == 0:
+                    continue  # it died while idle: the job never ran, give it a fresh sandbox
+                self._record_job(t_submit, t_acq, wall, wall, retired=True)
+                return (reason, f"sandbox failure: {msg}", wall)
+            latency = time.monotonic() - t_acq
+            retire = bool(reply.get("anomaly") or reply.get("fatal"))
+            recycle = handle.jobs >= self.cfg.max_jobs_per_sandbox
+            if retire:
+                self._record_error(anomaly=True)
+            self._release(handle, retire=retire or recycle)
+            self._record_job(t_submit, t_acq, latency, float(reply.get("run_s", 0.0)), retired=retire or recycle)
+            return reply
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------------ sandboxes
+    def _acquire(self) -> RunnerHandle:
+        with self._cond:
+            self._waiters += 1
+            try:
+                while True:
+                    if self._closed:
+                        raise SandboxError("pool is closed", retryable=False)
+                    if self._idle:
+                        handle, since = self._idle.popleft()
+                        self._add_idle_time(time.monotonic() - since)
+                        return handle
+                    if self._starting >= self._waiters:
+                        self._cond.wait(0.05)  # a warm one is on its way
+                        continue
+                    self._live += 1
+                    self._starting += 1
+                    break
+            finally:
+                self._waiters -= 1
+        # Cold start in this job's thread.
+        last = ""
+        for _ in range(3):
+            try:
+                handle = self._timed_spawn()
+            except SandboxError as exc:
+                last = str(exc)
+                self._record_error()
+                continue
+            with self._cond:
+                self._starting -= 1
+                if self._closed:
+                    self._live -= 1
+                    handle.close()
+                    raise SandboxError("pool is closed", retryable=False)
+                self._handles.add(handle)
+            return handle
+        with self._cond:
+            self._starting -= 1
+            self._live -= 1
+        raise SandboxError(f"no sandbox could be started: {last}")
+
+    def _timed_spawn(self) -> RunnerHandle:
+        t0 = time.monotonic()
+        handle = self.runtime.spawn()
+        with self._m_lock:
+            self._start_ms.append((time.monotonic() - t0) * 1000)
+            self._started_count += 1
+        return handle
+
+    def _spawn_one(self) -> None:
+        """Warmer/start helper: start one sandbox into the idle buffer (``_live``/``_starting`` pre-counted)."""
+        try:
+            handle = self._timed_spawn()
+        except SandboxError as exc:
+            with self._cond:
+                self._starting -= 1
+                self._live -= 1
+                self._spawn_failures += 1
+                self._last_spawn_error = str(exc)
+            self._record_error()
+            return
+        with self._cond:
+            self._starting -= 1
+            self._spawn_failures = 0
+            if self._closed:
+                self._live -= 1
+                handle.close()
+                return
+            self._handles.add(handle)
+            self._idle.append((handle, time.monotonic()))
+            self._cond.notify_all()
+
+    def _release(self, handle: RunnerHandle, retire: bool) -> None:
+        with self._cond:
+            if retire or self._closed:
+                self._handles.discard(handle)
+                self._live -= 1
+            else:
+                self._idle.append((handle, time.monotonic()))
+                self._cond.notify_all()
+            self._retire_rate += _EWMA * ((1.0 if retire else 0.0) - self._retire_rate)
+        if retire or self._closed:
+            # Docker removal takes tens of ms: do not make the job wait for it.
+            threading.Thread(target=handle.close, daemon=True).start()
+            with self._m_lock:
+                self._retired += 1
+            self._wake.set()
+
+    def target(self) -> int:
+        """The warm buffer size the sizing rule asks for right now."""
+        with self._cond:
+            demand = min(self.cfg.concurrency, self._inflight)
+            rate = self._retire_rate
+        want = math.ceil(demand * (1.0 + rate)) if demand else 0
+        return max(self.cfg.min_warm, min(self.cfg.max_warm, want))
+
+    def _warm_loop(self) -> None:
+        while True:
+            self._wake.wait(0.1)
+            self._wake.clear()
+            with self._cond:
+                if self._closed:
+                    return
+            target = self.target()
+            victims: list[RunnerHandle] = []
+            spawn = 0
+            with self._cond:
+                if self._spawn_failures < 3:
+                    spawn = max(0, target - self._live)
+                    spawn = min(spawn, max(2, self.cfg.concurrency) - self._starting)
+                    spawn = max(0, spawn)
+                    self._live += spawn
+                    self._starting += spawn
+                quiet = time.monotonic() - self._last_activity > self.cfg.idle_timeout_s
+                while quiet and self._idle and self._live > target:
+                    handle, since = self._idle.popleft()
+                    self._add_idle_time(time.monotonic() - since)
+                    self._handles.discard(handle)
+                    self._live -= 1
+                    victims.append(handle)
+            for _ in range(spawn):
+                threading.Thread(target=self._spawn_one, daemon=True).start()
+            for handle in victims:
+                handle.close()
+            if self._spawn_failures >= 3:
+                time.sleep(1.0)  # back off; a job's own cold start will retry
+                with self._cond:
+                    self._spawn_failures = 2
+
+    # -------------------------------------------------------------------------- metrics
+    def _reset_metrics(self) -> None:
+        self._queue_ms: deque[float] = deque(maxlen=_SAMPLES)
+        self._start_ms: deque[float] = deque(maxlen=_SAMPLES)
+        self._run_ms: deque[float] = deque(maxlen=_SAMPLES)
+        self._overhead_ms: deque[float] = deque(maxlen=_SAMPLES)
+        self._jobs = 0
+        self._errors = 0
+        self._anomalies = 0
+        self._retired = 0
+        self._started_count = 0
+        self._busy_s = 0.0
+        self._idle_s = 0.0
+        self._t_metrics = time.monotonic()
+
+    def _add_idle_time(self, seconds: float) -> None:
+        with self._m_lock:
+            self._idle_s += seconds
+
+    def _record_error(self, anomaly: bool = False) -> None:
+        with self._m_lock:
+            self._errors += 1
+            self._anomalies += int(anomaly)
+
+    def _record_job(self, t_submit: float, t_acq: float, latency: float, run_s: float, retired: bool) -> None:
+        with self._m_lock:
+            self._jobs += 1
+            self._queue_ms.append((t_acq - t_submit) * 1000)
+            self._run_ms.append(run_s * 1000)
+            self._overhead_ms.append(max(0.0, latency - run_s) * 1000)
+            self._busy_s += latency
+
+    def metrics(self, reset: bool = False) -> dict[str, float]:
+        """Latency percentiles (ms), utilisation, idle sandbox-seconds, counters, warm size.
+
+        ``reset=True`` starts a new window (call it once per RL step and log the dict to MLflow).
+        """
+        now = time.monotonic()
+        with self._cond:
+            idle_now = sum(now - since for _, since in self._idle)
+            live, idle_count, target_inflight = self._live, len(self._idle), self._inflight
+            rate = self._retire_rate
+        with self._m_lock:
+            window = max(1e-9, now - self._t_metrics)
+            idle_s = self._idle_s + idle_now
+            out = {
+                "jobs": float(self._jobs),
+                "errors": float(self._errors),
+                "anomalies": float(self._anomalies),
+                "retired": float(self._retired),
+                "sandboxes_started": float(self._started_count),
+                "warm_size": float(live),
+                "idle_now": float(idle_count),
+                "inflight": float(target_inflight),
+                "target_warm": float(self.target()),
+                "retire_rate": rate,
+                "queue_wait_p50_ms": _pct(self._queue_ms, 0.5),
+                "queue_wait_p99_ms": _pct(self._queue_ms, 0.99),
+                "start_p50_ms": _pct(self._start_ms, 0.5),
+                "start_p99_ms": _pct(self._start_ms, 0.99),
+                "run_p50_ms": _pct(self._run_ms, 0.5),
+                "run_p99_ms": _pct(self._run_ms, 0.99),
+                "overhead_p50_ms": _pct(self._overhead_ms, 0.5),
+                "overhead_p99_ms": _pct(self._overhead_ms, 0.99),
+                "idle_sandbox_seconds": idle_s,
+                "utilisation": self._busy_s / max(1e-9, self._busy_s + idle_s),
+                "window_s": window,
+            }
+            if reset:
+                self._reset_metrics()
+        if reset:
+            # Idle time already counted for sandboxes still idle must not be counted twice.
+            with self._cond:
+                self._idle = deque((h, max(since, now)) for h, since in self._idle)
+        return out

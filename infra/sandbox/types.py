@@ -1,0 +1,87 @@
+"""Plain data types of the sandbox API (requests and results).
+
+These are the values that cross the seam between the pipeline's scoring stage and the sandbox pool
+(see ``docs/INTERFACES.md``). They are frozen-free dataclasses of JSON-able values so that a
+scoring task can store them in the object store as JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Why a job ended. ``wrong`` and ``syntax`` only appear in :class:`VerifyResult`.
+REASONS: tuple[str, ...] = ("ok", "timeout", "memory", "output_limit", "killed", "error", "wrong", "syntax")
+
+
+@dataclass
+class TestCase:
+    """One hidden test: ``entry(*args) == expected`` (floats compared with a tiny tolerance)."""
+
+    __test__ = False  # not a pytest class
+
+    args: list[Any]
+    expected: Any
+
+
+@dataclass
+class VerifyRequest:
+    """Score ``program``: define it, then call ``entry`` on every test's args inside the sandbox."""
+
+    program: str
+    entry: str
+    tests: list[TestCase]
+    timeout_s: float | None = None
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one :class:`VerifyRequest`; ``reward`` is the fraction of tests passed."""
+
+    passed: list[bool]
+    reward: float
+    reason: str
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    wall_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return asdict(self)
+
+
+@dataclass
+class ExecResult:
+    """Outcome of running one program as ``__main__``.
+
+    ``exit_code`` is the program's exit status, ``-N`` if it died of signal N, or ``None`` when the
+    sandbox stopped it (timeout, output limit) or could not run it.
+    """
+
+    exit_code: int | None
+    reason: str
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    wall_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (without ``extra``)."""
+        d = asdict(self)
+        d.pop("extra", None)
+        return d
+
+
+class SandboxError(RuntimeError):
+    """The sandbox infrastructure failed (not a job): no sandbox could be started.
+
+    ``retryable`` says whether trying again later can help (daemon restarting, transient load).
+    """
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class SandboxDied(Exception):
+    """A sandbox's runner stopped answering or exited (internal: turned into a scored failure)."""
