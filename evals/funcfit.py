@@ -10,8 +10,8 @@ Why this shape: the space of functions (~2,300) is too large for a 1M-parameter 
 from a few thousand RL samples, the answer is checkable but not given, and a tiny character-level
 model warm-started on a few hundred supervised steps solves ~20-30% of it, which leaves room for RL.
 
-Train/eval split: every (family, constants) pair is assigned to the eval split iff a hash of it
-falls in the bottom ``EVAL_FRACTION``; train batches reject eval functions, so the splits are
+Train/eval split: a function is in the eval split iff a hash of its shown values falls in the
+bottom ``EVAL_FRACTION`` (so equal functions of different families share a split); train batches reject eval functions, so the splits are
 disjoint by construction and independent of seeds. ``score_locally`` evaluates model output with
 ``eval`` and exists ONLY for unit tests and ``bench/learn_probe.py``; the pipeline must score
 through :func:`to_verify_request` and the sandbox pool.
@@ -74,8 +74,9 @@ def _value(family: str, a: int, b: int, x: int) -> int:
 
 
 def format_prompt(values: list[int]) -> str:
-    """The prompt for values at x=0..5. Short on purpose: the demo model reads characters."""
-    return "f(0..5)=" + ",".join(str(v) for v in values) + " f(x)="
+    """The prompt for values at x=0..5, e.g. ``"3,5,7,9,11,13="``. Short on purpose: the demo
+    model reads characters, and prompt length is most of the training compute."""
+    return ",".join(str(v) for v in values) + "="
 
 
 def make_problem(family: str, a: int, b: int, hidden_tests: int = 6) -> Problem:
@@ -103,8 +104,12 @@ def _constants(family: str, rng: random.Random) -> tuple[int, int]:
 
 
 def is_eval(family: str, a: int, b: int) -> bool:
-    """True iff (family, a, b) belongs to the held-out eval split (hash based, seed independent)."""
-    h = hashlib.sha256(f"{family}|{a}|{b}".encode()).digest()
+    """True iff (family, a, b) belongs to the held-out eval split.
+
+    The hash is over the *shown values* (the prompt), not the constants, so one function written
+    two ways — ``(x+2)*3`` and ``3*x+6`` — can never sit in both splits. Seed independent."""
+    values = ",".join(str(_value(family, a, b, x)) for x in SHOWN_X)
+    h = hashlib.sha256(values.encode()).digest()
     return int.from_bytes(h[:8], "big") < EVAL_FRACTION * 2**64
 
 
@@ -208,7 +213,7 @@ def score_locally(problem: Problem, completion: str) -> float:
     for x, y in problem.hidden:
         try:
             got: Any = eval(code, {"__builtins__": {}}, {"x": x})  # noqa: S307 - charset-restricted
-        except (ArithmeticError, TypeError, ValueError):
+        except Exception:  # any runtime error of the candidate is a failed test
             continue
         passed += int(got == y)
     return passed / len(problem.hidden)
