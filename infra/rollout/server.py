@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from infra.config import RunConfig
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
 
@@ -96,23 +98,28 @@ class RolloutWorker:
                 "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
+class LoadReq(BaseModel):
+    """Body of ``POST /v1/load``: the version to serve (None = newest)."""
+
+    version: int | None = None
+
+
+class RolloutReq(BaseModel):
+    """Body of ``POST /v1/rollout``: where the prompts are, where to write, how to sample."""
+
+    prompts_key: str
+    out_key: str
+    n: int = Field(1, ge=1, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    max_new_tokens: int = Field(32, ge=1, le=32768)
+    seed: int = 0
+
+
 def build_app(worker: RolloutWorker) -> Any:
     """The FastAPI application serving ``worker``."""
     from fastapi import FastAPI, HTTPException
-    from pydantic import BaseModel
 
     app = FastAPI(title="deltaloop rollout worker")
-
-    class LoadReq(BaseModel):
-        version: int | None = None
-
-    class RolloutReq(BaseModel):
-        prompts_key: str
-        out_key: str
-        n: int = 1
-        temperature: float = 1.0
-        max_new_tokens: int = 32
-        seed: int = 0
 
     @app.get("/health")
     def health() -> dict[str, Any]:
