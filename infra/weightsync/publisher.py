@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from infra.weightsync.codec import CodecName, encode_delta, encode_raw
+from infra.weightsync.chunks import EncodedChunk, encode_chunk
+from infra.weightsync.codec import CodecName
 from infra.weightsync.errors import IncompatibleTensors, WeightSyncError
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
@@ -210,23 +211,13 @@ class VersionPublisher:
             window: deque[tuple[tuple, Future]] = deque()
             it = iter(jobs)
 
-            def job(n: str, ci: int, s: int, e: int) -> tuple[bytes | None, bytes | None, str, int]:
-                new = words[n][s:e]
-                old = new_base[n][s:e]
-                kf = encode_raw(new, self.level) if is_key else None
-                if base is None:
-                    np.copyto(old, new)
-                    return kf, None, digest(new), e - s
-                df, idx = encode_delta(old, new, self.codec, self.level)
-                if df is None:
-                    return kf, None, self._digests[n][ci], 0
-                nchanged = len(idx) if idx is not None else int(np.count_nonzero(old != new))
-                h = digest(new)
-                if idx is not None:
-                    old[idx] = new[idx]
-                else:
-                    np.copyto(old, new)
-                return kf, df, h, nchanged
+            def job(n: str, ci: int, s: int, e: int) -> EncodedChunk:
+                cur = new_base[n][s:e]
+                return encode_chunk(
+                    cur if base is not None else None, words[n][s:e], keyframe=is_key, codec=self.codec,
+                    level=self.level, prev_digest=self._digests[n][ci] if base is not None else None,
+                    update_base=cur,
+                )
 
             def submit_next() -> bool:
                 spec = next(it, None)
@@ -240,15 +231,15 @@ class VersionPublisher:
                     break
             while window:
                 (n, ci, s, e), fut = window.popleft()
-                kf, df, h, nchanged = fut.result()
+                res = fut.result()
                 submit_next()
-                entry = ChunkEntry(h)
-                if kf is not None:
-                    entry.k = kshards.add(kf)
-                if df is not None:
-                    entry.d = dshards.add(df)
+                entry = ChunkEntry(res.digest)
+                if res.key is not None:
+                    entry.k = kshards.add(res.key)
+                if res.delta is not None:
+                    entry.d = dshards.add(res.delta)
                 entries[n].append(entry)
-                changed += nchanged
+                changed += res.changed
                 total += e - s
                 while len(pending) > 2 * self.io_threads:
                     pending.popleft().result()

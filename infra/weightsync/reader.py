@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from infra.storage import ObjectNotFound
-from infra.weightsync.codec import decode_into
+from infra.weightsync.chunks import apply_frame
 from infra.weightsync.errors import (
     CorruptData,
     IncompatibleTensors,
@@ -260,13 +260,10 @@ class VersionReader:
                     raise WrongBase(f"chunk {ci}: the tensors given are not version {v - 1} (digest differs)",
                                     version=v, tensor=t.name)
             try:
-                decode_into(frame, buf)
-            except Exception as exc:  # malformed frame: any decoder complaint is corruption
-                raise CorruptData(f"chunk {ci}: cannot decode {kind} frame: {exc}", version=v, tensor=t.name) from exc
+                apply_frame(frame, buf, t.chunks[ci].h)
+            except Exception as exc:  # malformed frame or checksum mismatch: corruption either way
+                raise CorruptData(f"chunk {ci} ({kind} frame): {exc}", version=v, tensor=t.name) from exc
             touched[ti][ci] = True
-            if digest(buf) != t.chunks[ci].h:
-                raise CorruptData(f"chunk {ci}: checksum mismatch after decoding {kind} frame",
-                                  version=v, tensor=t.name)
 
         self._schedule(steps, ranges, decode)
         # chunks no delta touched still hold the caller's words: verify them against the goal

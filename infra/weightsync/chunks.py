@@ -1,0 +1,67 @@
+"""Per-chunk work shared by the publisher, the reader and the benchmark.
+
+``encode_chunk`` is everything the publisher does for one chunk (frames, digest, base update);
+``apply_frame`` is everything the reader does for one frame (decode in place, verify digest). The
+benchmark times exactly these, so its GB/s are the production path's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from infra.weightsync.codec import CodecName, decode_into, encode_delta, encode_raw
+from infra.weightsync.layout import digest
+
+
+@dataclass
+class EncodedChunk:
+    key: bytes | None  # keyframe frame (keyframe versions only)
+    delta: bytes | None  # delta frame; None when the chunk did not change (or no base)
+    digest: str  # xxh3-128 of the new words
+    changed: int  # words that differ from the base (all of them without a base)
+
+
+def encode_chunk(
+    old: np.ndarray | None,
+    new: np.ndarray,
+    *,
+    keyframe: bool,
+    codec: CodecName = "auto",
+    level: int = 1,
+    prev_digest: str | None = None,
+    update_base: np.ndarray | None = None,
+) -> EncodedChunk:
+    """Encode one chunk. ``old`` is the base words (None: keyframe only).
+
+    ``update_base``: a buffer (normally ``old`` itself) made equal to ``new`` afterwards, touching
+    only the changed words when the sparse codec found them.
+    """
+    kf = encode_raw(new, level) if keyframe else None
+    if old is None:
+        if update_base is not None:
+            np.copyto(update_base, new)
+        return EncodedChunk(kf, None, digest(new), len(new))
+    frame, idx = encode_delta(old, new, codec, level)
+    if frame is None:
+        return EncodedChunk(kf, None, prev_digest if prev_digest is not None else digest(new), 0)
+    changed = len(idx) if idx is not None else int(np.count_nonzero(old != new))
+    h = digest(new)
+    if update_base is not None:
+        if idx is not None:
+            update_base[idx] = new[idx]
+        else:
+            np.copyto(update_base, new)
+    return EncodedChunk(kf, frame, h, changed)
+
+
+class ChecksumMismatch(ValueError):
+    """The decoded chunk does not hash to the digest its manifest recorded."""
+
+
+def apply_frame(frame: bytes | memoryview, buf: np.ndarray, expect: str) -> None:
+    """Decode ``frame`` into ``buf`` (holding the base words) in place and verify the digest."""
+    decode_into(frame, buf)
+    if digest(buf) != expect:
+        raise ChecksumMismatch("checksum mismatch after decoding")
