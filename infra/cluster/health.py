@@ -297,11 +297,11 @@ def check_health(
         while handle.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         code = handle.poll()
+        failed = list(getattr(handle, "failed_hosts", lambda: [])())  # before terminate() stops the rest
     finally:
         handle.terminate()
     logs = list(getattr(handle, "logs", []))
     if code != 0:
-        failed = list(getattr(handle, "failed_hosts", lambda: [])())
         why = f"timed out after {th.timeout_s:.0f}s" if code is None else f"exited with code {code}"
         named = f" on host(s) {', '.join(failed)}" if failed else ""
         tails = "\n".join(f"--- {log}\n{_tail(log)}" for log in logs)

@@ -323,14 +323,20 @@ def agent_main(grace_s: float = 10.0) -> int:
             return 2
         line += chunk
     spec = json.loads(line)
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: keep orphans ours
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans stay ours
     env = {**os.environ, **spec["env"]}
     if "DELTALOOP_PARENT_PID" in env:  # ranks watching their launcher watch this agent instead
         env["DELTALOOP_PARENT_PID"] = str(os.getpid())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    proc = subprocess.Popen(spec["cmd"], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def die_with_agent() -> None:  # if the agent itself is killed, torchrun gets SIGTERM
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+    proc = subprocess.Popen(spec["cmd"], env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_agent)
     Path(spec["pidfile"]).write_text(str(os.getpid()))
 
     def watch_stdin() -> None:
@@ -342,7 +348,10 @@ def agent_main(grace_s: float = 10.0) -> int:
     while proc.poll() is None and not stop.wait(0.2):
         pass
     if proc.poll() is None:
-        print(f"[deltaloop agent] stopping rank tree on {os.uname().nodename}", file=sys.stderr, flush=True)
+        try:  # the ssh channel may be gone already: writing must not kill the agent
+            print(f"[deltaloop agent] stopping rank tree on {os.uname().nodename}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
     if _signal_tree(signal.SIGTERM):
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and _descendants(os.getpid()):
@@ -361,8 +370,11 @@ def agent_main(grace_s: float = 10.0) -> int:
 if __name__ == "__main__":
     if sys.argv[1:] == ["agent"]:
         rc = agent_main()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
         os._exit(rc)  # not sys.exit: the stdin watcher thread may still be blocked in read()
     sys.exit("usage: python -m infra.cluster.hosts agent   (run by the hosts provider over ssh)")
 else:

@@ -104,8 +104,10 @@ def test_agent_passes_exit_code_and_env(tmp_path: Path) -> None:
     assert not (tmp_path / "agent.pid").exists()
 
 
-def test_agent_kills_whole_tree_on_stdin_eof(tmp_path: Path) -> None:
-    """The dead-man switch: when the launcher's pipe closes, every descendant dies (new sessions too)."""
+@pytest.mark.parametrize("channel_gone", [False, True])
+def test_agent_kills_whole_tree_on_stdin_eof(tmp_path: Path, channel_gone: bool) -> None:
+    """The dead-man switch: when the launcher's pipe closes, every descendant dies (new sessions too),
+    also when the agent's output channel is already broken (ssh connection lost)."""
     pids = tmp_path / "pids"
     child = ("import os,subprocess,sys,time;"
              "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(600)'],start_new_session=True);"
@@ -116,7 +118,9 @@ def test_agent_kills_whole_tree_on_stdin_eof(tmp_path: Path) -> None:
         time.sleep(0.05)
     tree = [int(p) for p in pids.read_text().split()]
     assert all(_alive(p) for p in tree)
-    assert proc.stdin is not None
+    assert proc.stdin is not None and proc.stdout is not None
+    if channel_gone:
+        proc.stdout.close()
     proc.stdin.close()
     assert proc.wait(timeout=30) != 0
     assert not any(_alive(p) for p in tree), "a process of the rank tree survived its agent"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Fake multi-host cluster on this machine: network namespaces with sshd (see infra/cluster/netns.py).
+#
+#   scripts/setup_netns_hosts.sh install          # apt packages the netns tests need (root, Debian/Ubuntu)
+#   scripts/setup_netns_hosts.sh up DIR [N]       # N hosts (default 2); prints a cluster: YAML snippet
+#   scripts/setup_netns_hosts.sh down DIR         # kill their sshds, delete the namespaces
+#
+# Needs root (ip netns, mount). The test subnet exists only inside the namespaces.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+
+install() {
+  missing=()
+  command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  command -v ssh >/dev/null || missing+=(openssh-client)
+  command -v ip >/dev/null || missing+=(iproute2)
+  command -v unshare >/dev/null || missing+=(util-linux)
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+  mkdir -p /run/sshd
+}
+
+case "${1:-}" in
+  install) install ;;
+  up) install; "$PY" -m infra.cluster.netns up --dir "$2" --hosts "${3:-2}" ;;
+  down) "$PY" -m infra.cluster.netns down --dir "$2" ;;
+  *) sed -n '2,9p' "$0"; exit 2 ;;
+esac
