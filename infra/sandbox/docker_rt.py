@@ -30,7 +30,8 @@ from infra.sandbox.protocol import runner_argv
 from infra.sandbox.types import SandboxError
 
 _ids = itertools.count(1)
-ENV = {"PATH": "/usr/bin:/bin", "HOME": "/scratch", "TMPDIR": "/scratch", "LANG": "C.UTF-8"}
+# MALLOC_ARENA_MAX: each glibc arena reserves 64 MiB of address space, which RLIMIT_AS counts.
+ENV = {"PATH": "/usr/bin:/bin", "HOME": "/scratch", "TMPDIR": "/scratch", "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"}
 LABEL = "org.deltaloop.sandbox"
 PYTHON = "/usr/bin/python3"
 OVERHEAD_MB = 64  # runner + zygote resident memory on top of the job's limit

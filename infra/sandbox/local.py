@@ -62,7 +62,7 @@ class LocalRuntime:
         n = next(_ids)
         scratch = os.path.join(self.root, f"s{n}")
         os.makedirs(scratch, mode=0o700)
-        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
+        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"}
         transport = PipeTransport(runner_argv(self.python, "--runner", self._opts(scratch)), env=env)
         handle = RunnerHandle(transport, f"local-{os.getpid()}-{n}")
         try:

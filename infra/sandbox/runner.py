@@ -259,6 +259,9 @@ def _worker_main(job, fds, opts):
         _set_limits(opts, float(job["timeout"]))
         os.chdir(opts["scratch"])
         import io
+        import threading
+
+        threading.stack_size(1 << 20)  # thread stacks count against RLIMIT_AS: keep them small
 
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
@@ -296,7 +299,8 @@ def zygote_main(fd, opts):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Warm the modules scoring programs commonly import, so a worker pays nothing for them.
     for name in ("math", "re", "itertools", "functools", "collections", "random", "string",
-                 "heapq", "bisect", "fractions", "statistics", "typing", "io", "traceback", "builtins"):
+                 "heapq", "bisect", "fractions", "statistics", "typing", "io", "traceback", "builtins",
+                 "threading"):
         try:
             __import__(name)
         except Exception:
