@@ -143,6 +143,7 @@ class HostsGroup:
     nodes: list[_Node]
     master_addr: str
     logs: list[str] = field(default_factory=list)
+    tunnels: list[subprocess.Popen] = field(default_factory=list)
 
     def poll(self) -> int | None:
         codes = [n.proc.poll() for n in self.nodes]
@@ -153,11 +154,43 @@ class HostsGroup:
             return 0
         return None
 
+    def tunnel(self, addr: str, port: int, timeout: float = 15.0) -> tuple[str, int]:
+        """Forward a local loopback port to ``addr:port`` as seen from the rank-0 host (``ssh -L``).
+
+        For a flow that cannot reach the hosts' network directly (bastions, namespaces): connect to
+        the returned ``(host, port)`` instead. The tunnel closes with :meth:`terminate`.
+        """
+        import socket
+
+        from infra.cluster.base import free_port
+
+        node = next((n for n in self.nodes if n.host.node_addr == self.master_addr), self.nodes[0])
+        local = free_port()
+        argv = ssh_argv(self.cfg, node.host, "")[:-2]  # no remote command
+        argv[1:1] = ["-N", "-o", "ExitOnForwardFailure=yes", "-L", f"127.0.0.1:{local}:{addr}:{port}"]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        self.tunnels.append(proc)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", local), timeout=1).close()
+                return "127.0.0.1", local
+            except OSError:
+                time.sleep(0.1)
+        err = proc.stderr.read().decode(errors="replace") if proc.poll() is not None and proc.stderr else ""
+        proc.kill()
+        raise ClusterError(f"cannot open ssh tunnel to {addr}:{port} via {node.host.host}: {err.strip()}")
+
     def failed_hosts(self) -> list[str]:
         """Hosts whose node exited with a non-zero code (ssh 255: connection failed)."""
         return [n.host.host for n in self.nodes if n.proc.poll() not in (None, 0)]
 
     def terminate(self, timeout: float = 10.0) -> None:
+        for t in self.tunnels:
+            if t.poll() is None:
+                t.kill()
+                t.wait()
         for n in self.nodes:  # EOF on the agent's stdin: it stops its tree (TERM, then KILL)
             if n.proc.stdin and not n.proc.stdin.closed:
                 try:

@@ -98,6 +98,22 @@ def test_two_hosts_train_as_one_group(fake_hosts: NetnsCluster, tmp_path: Path, 
     assert res["master_addr"] == handle.master_addr == h0.addr
 
 
+def test_tunnel_reaches_rank0_network(fake_hosts: NetnsCluster, tmp_path: Path) -> None:
+    """The flow (root namespace) has no route to the hosts; a tunnel through rank 0's host does."""
+    import socket
+
+    cfg = _cfg(fake_hosts, [0, 1])
+    handle = create_provider(cfg).launch(JOB, ["--out", str(tmp_path / "o.json"), "--steps", "1000000000"], {},
+                                         str(tmp_path / "logs"))
+    try:
+        host, port = handle.tunnel(fake_hosts.hosts[1].addr, 22)  # any service on the hosts' network
+        with socket.create_connection((host, port), timeout=10) as conn:
+            assert conn.recv(64).startswith(b"SSH-2.0")
+    finally:
+        handle.terminate()
+    assert all(t.poll() is not None for t in handle.tunnels)
+
+
 def test_terminate_and_dead_man_switch_leave_nothing(fake_hosts: NetnsCluster, tmp_path: Path) -> None:
     cfg = _cfg(fake_hosts, [0, 1])
     args = ["--out", str(tmp_path / "never.json"), "--steps", "1000000000"]
