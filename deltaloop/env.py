@@ -24,6 +24,7 @@ def set_defaults() -> None:
         "PREFECT_LOGGING_LEVEL": "WARNING",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_LOGGING_LEVEL": "WARNING",
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -38,3 +39,7 @@ def set_defaults() -> None:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    import logging
+
+    for noisy in ("mlflow", "alembic", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

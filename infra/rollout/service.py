@@ -42,8 +42,11 @@ class RolloutService:
 
     def start(self) -> None:
         """Launch the worker and wait until it answers ``/health``."""
-        import httpx
+        self.launch()
+        self.wait_ready()
 
+    def launch(self) -> None:
+        """Start the worker process without waiting for it."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         spec = {"config": self.cfg.model_dump(mode="json"), "run_id": self.run_id, "store_uri": self.store.uri,
                 "endpoint_url": self.cfg.storage.endpoint_url, "region": self.cfg.storage.region,
@@ -58,6 +61,11 @@ class RolloutService:
                 [sys.executable, "-m", "infra.rollout.server", "--spec", str(spec_path), "--port", str(self.port)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
+
+    def wait_ready(self) -> None:
+        """Wait until the launched worker answers ``/health``; raises ServiceDied with its log."""
+        import httpx
+
         deadline = time.monotonic() + self.cfg.rollout.start_timeout_s
         while time.monotonic() < deadline:
             dead = self.dead_reason()

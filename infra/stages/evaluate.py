@@ -53,6 +53,8 @@ def evaluate(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
             "generate_seconds": gen["seconds"],
         }
         put_json(ctx.store, out_key, report)
+    ctx.report(f"eval at step {step} (v{version}): score {report['score']:.3f}, "
+               f"all-tests-pass {report['accuracy']:.3f} on {report['n']} held-out problems")
     ctx.tracker.log_metrics({"eval_score": report["score"], "eval_accuracy": report["accuracy"]}, step=step)
     ctx.history.append({"kind": "eval", "step": step, "version": version, "score": report["score"],
                         "accuracy": report["accuracy"]})

@@ -44,13 +44,15 @@ def provision(ctx: RunContext) -> Cluster:
     init_dir = resolve_init(ctx)
     cluster = Cluster(trainer=None, rollout=None, sandbox=None)
     try:
+        # launch both services first, then wait: their start-up (imports, model build) overlaps
         cluster.rollout = RolloutService(cfg, ctx.run_id, ctx.store, ctx.run_dir, init_dir)
-        cluster.rollout.start()
-        cluster.sandbox = create_pool(cfg.sandbox)
-        cluster.sandbox.start()
-        ctx.report(f"rollout worker at {cluster.rollout.url}; sandbox pool ({cfg.sandbox.runtime}) warm")
+        cluster.rollout.launch()
         cluster.trainer = TrainerService(cfg, ctx.run_id, ctx.store, ctx.run_dir, init_dir)
         cluster.trainer.start()
+        cluster.sandbox = create_pool(cfg.sandbox)
+        cluster.sandbox.start()
+        cluster.rollout.wait_ready()
+        ctx.report(f"rollout worker at {cluster.rollout.url}; sandbox pool ({cfg.sandbox.runtime}) warm")
         info: dict[str, Any] = {"trainer": cluster.trainer.call("init")}
         ctx.report(f"trainer up: {cfg.cluster.ranks} rank(s), {info['trainer']['params']:,} parameters")
         if init_dir is None and cfg.warmstart.steps > 0:
