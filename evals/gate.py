@@ -4,12 +4,18 @@ Pure functions, no I/O. With per-problem rewards of both models on the *same* su
 uses a paired bootstrap of the mean improvement: promote only if the lower end of the confidence
 interval lies above ``margin``. Without paired data (no champion report on this suite) it falls back
 to comparing means. No champion at all: promote.
+
+Guard suites (:func:`decide_with_guards`) protect what the main suite can hide: a candidate whose
+overall score rises while one slice of the work collapses is rejected. A guard fails when the
+candidate's mean on it is lower than the champion's by more than the guard's tolerance (a point
+estimate, deliberately strict: a guard is a veto, not a test of significance). Slices come from the
+suite itself (:func:`slices_by_prefix`, e.g. one guard per funcfit family) or from separate suites.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -24,6 +30,22 @@ class GateDecision:
     ci_low: float | None = None
     ci_high: float | None = None
     method: str = "none"
+    confidence: float = 0.95
+    margin: float = 0.0
+    guards: list["GuardCheck"] = field(default_factory=list)
+
+
+@dataclass
+class GuardCheck:
+    """One guard suite: the candidate may not fall below the champion by more than ``tolerance``."""
+
+    suite: str
+    n: int
+    candidate: float
+    champion: float
+    delta: float
+    tolerance: float
+    ok: bool
 
 
 def paired_bootstrap(diffs: list[float], iters: int = 2000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
@@ -65,9 +87,65 @@ def decide(
         ok = lo > margin
         why = (f"improvement {imp:+.4f} (CI{int(confidence*100)} [{lo:+.4f}, {hi:+.4f}]) "
                f"{'clears' if ok else 'does not clear'} margin {margin:+.4f}")
-        return GateDecision(ok, why, cand, champ, imp, lo, hi, method="paired_bootstrap")
+        return GateDecision(ok, why, cand, champ, imp, lo, hi, method="paired_bootstrap",
+                            confidence=confidence, margin=margin)
     assert champion_score is not None
     imp = cand - champion_score
     ok = imp > margin
     why = f"score {cand:.4f} vs champion {champion_score:.4f}: {imp:+.4f} {'>' if ok else '<='} margin {margin:+.4f}"
-    return GateDecision(ok, why, cand, champion_score, imp, method="mean")
+    return GateDecision(ok, why, cand, champion_score, imp, method="mean", confidence=confidence, margin=margin)
+
+
+def check_guards(
+    candidate: dict[str, list[float]],
+    champion: dict[str, list[float]],
+    tolerance: float | dict[str, float],
+) -> list[GuardCheck]:
+    """Compare each guard suite present in both; ``tolerance`` is one value or one per suite."""
+    out: list[GuardCheck] = []
+    for name in sorted(set(candidate) & set(champion)):
+        cand, champ = candidate[name], champion[name]
+        if not cand or len(cand) != len(champ):
+            raise ValueError(f"guard {name!r} needs equal non-empty suites: {len(cand)} vs {len(champ)} problems")
+        tol = tolerance.get(name, 0.0) if isinstance(tolerance, dict) else tolerance
+        c, h = sum(cand) / len(cand), sum(champ) / len(champ)
+        out.append(GuardCheck(name, len(cand), c, h, c - h, tol, c - h >= -tol - 1e-12))
+    return out
+
+
+def decide_with_guards(
+    candidate: list[float],
+    champion: list[float] | None,
+    margin: float,
+    guards_candidate: dict[str, list[float]] | None = None,
+    guards_champion: dict[str, list[float]] | None = None,
+    tolerance: float | dict[str, float] = 0.05,
+    champion_score: float | None = None,
+    confidence: float = 0.95,
+) -> GateDecision:
+    """:func:`decide` on the main suite, then veto if any guard suite regresses beyond tolerance."""
+    decision = decide(candidate, champion, margin, champion_score=champion_score, confidence=confidence)
+    if champion is None or not guards_candidate or not guards_champion:
+        return decision
+    decision.guards = check_guards(guards_candidate, guards_champion, tolerance)
+    failed = [g for g in decision.guards if not g.ok]
+    if failed and decision.promote:
+        worst = min(failed, key=lambda g: g.delta)
+        decision.promote = False
+        decision.reason = (f"{decision.reason}, but guard {worst.suite!r} regressed {worst.delta:+.4f} "
+                           f"(tolerance {worst.tolerance:.4f}; {len(failed)} guard(s) failed)")
+    elif failed:
+        decision.reason += f"; guard(s) {', '.join(repr(g.suite) for g in failed)} also regressed beyond tolerance"
+    elif decision.guards:
+        decision.reason += f"; {len(decision.guards)}/{len(decision.guards)} guards within tolerance"
+    return decision
+
+
+def slices_by_prefix(problem_ids: list[str], rewards: list[float], sep: str = "|") -> dict[str, list[float]]:
+    """Per-problem rewards grouped by the id's prefix before ``sep`` (funcfit: the family)."""
+    if len(problem_ids) != len(rewards):
+        raise ValueError(f"{len(problem_ids)} problem ids but {len(rewards)} rewards")
+    out: dict[str, list[float]] = {}
+    for pid, r in zip(problem_ids, rewards):
+        out.setdefault(pid.split(sep, 1)[0], []).append(float(r))
+    return out

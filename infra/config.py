@@ -449,6 +449,14 @@ class PromoteConfig(_Strict):
     alias: str = Field("champion", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$", description="Alias to move.")
     margin: float = Field(0.0, ge=-1.0, le=1.0, description="Required gain over the champion.")
     enabled: bool = Field(True, description="Register and gate the final model at all.")
+    confidence: float = Field(
+        0.95, ge=0.5, le=0.999,
+        description="Two-sided level of the paired bootstrap CI; its lower end must clear the margin.",
+    )
+    guard_tolerance: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="Largest drop allowed on any guard suite (one per eval family); 1.0 disables guards.",
+    )
 
 
 # ---------------------------------------------------------------------------------------- root

@@ -3,7 +3,8 @@
 The candidate is always registered (so a rejected model can still be inspected and promoted by
 hand); its ``deltaloop.status`` tag says ``promoted`` or ``rejected`` and ``deltaloop.reason`` why.
 The gate compares per-problem rewards on the same held-out suite when the champion's eval report is
-available (it is logged as ``eval/final.json`` on every run), else the recorded mean scores.
+available (it is logged as ``eval/final.json`` on every run), else the recorded mean scores; guard
+suites (per-family slices) and the CI level come from ``promote`` (see ``infra/stages/gate.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from evals.gate import decide
 from infra.registry import Registry
 from infra.stages.context import Cluster, RunContext
+from infra.stages.gate import gate_rewards
 from infra.storage import get_json
 
 
@@ -49,7 +50,8 @@ def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, s
     reg = Registry(cfg.resolved_tracking_uri(), cfg.tracking.registered_model)
     champ_rewards, champ_score, champ_version = champion_rewards(reg, cfg.promote.alias, report["suite"],
                                                                  report["problem_ids"])
-    decision = decide(report["rewards"], champ_rewards, cfg.promote.margin, champion_score=champ_score)
+    decision = gate_rewards(report["problem_ids"], report["rewards"], champ_rewards, cfg.promote,
+                            champion_score=champ_score)
     tags = {
         "deltaloop.run_id": ctx.run_id,
         "mlflow_run_id": ctx.tracker.run_id,
