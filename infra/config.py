@@ -318,7 +318,9 @@ class RolloutConfig(_Strict):
     type: Literal["local", "vllm"] = Field(
         "local", description="local: torch KV-cached sampler on CPU/GPU; vllm: vLLM (GPU only)."
     )
-    max_new_tokens: int = Field(24, ge=1, le=32768, description="Longest completion.")
+    max_new_tokens: int = Field(
+        16, ge=1, le=32768, description="Longest completion (funcfit answers are <= 12 characters)."
+    )
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     threads: int = Field(1, ge=1, le=256, description="torch threads in the rollout worker.")
