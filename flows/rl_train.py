@@ -19,6 +19,7 @@ from infra.stages.summary import human_summary, record_step, write_summary
 from tasks.evaluate import evaluate
 from tasks.promote import promote
 from tasks.provision import provision, teardown
+from tasks.report import report_run
 from tasks.rollout import rollout_batch
 from tasks.score import score_batch
 from tasks.sync import sync_weights
@@ -53,6 +54,7 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
         ctx.tracker.end(status)
     summary = _summary_fields(ctx, before, after, gate)
     path = write_summary(ctx, summary)
+    report_run(ctx, {**summary, "wall_seconds": time.time() - ctx.started})
     ctx.report(human_summary({**summary, "run_id": ctx.run_id, "mlflow_run_id": ctx.tracker.run_id,
                               "tracking_uri": cfg.resolved_tracking_uri(), "wall_seconds": time.time() - ctx.started}))
     return {**summary, "summary_path": str(path), "run_id": ctx.run_id, "mlflow_run_id": ctx.tracker.run_id}
