@@ -22,6 +22,7 @@ from tasks.provision import provision, teardown
 from tasks.report import report_run
 from tasks.rollout import rollout_batch
 from tasks.score import score_batch
+from tasks.staleness import check_staleness
 from tasks.sync import sync_weights
 from tasks.train import train_step
 
@@ -37,13 +38,18 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
         cluster = provision(ctx)
         before = evaluate(ctx, cluster, 0)
         last_eval = before
+        ahead = None  # async: (rollout, score) futures of the next step, running while this one trains
         for step in range(1, cfg.trainer.steps + 1):
             t0 = time.perf_counter()
-            roll = rollout_batch(ctx, cluster, step)
-            score = score_batch(ctx, cluster, step)
-            train = train_step(ctx, cluster, step)
+            roll, score = (ahead[0].result(), ahead[1].result()) if ahead else _collect(ctx, cluster, step)
+            roll, score, stale = check_staleness(ctx, cluster, step, roll, score)
+            trained = train_step.submit(ctx, cluster, step)
+            ahead = _collect_ahead(ctx, cluster, step + 1) if cfg.loop.mode == "async" and step < cfg.trainer.steps else None
+            train = trained.result()
+            if ahead:
+                ahead[0].wait()  # the worker finishes the batch on the old version, then loads the new one
             sync = sync_weights(ctx, cluster, train["publish"]["version"])
-            record_step(ctx, step, roll, score, train, sync, time.perf_counter() - t0)
+            record_step(ctx, step, roll, score, train, sync, time.perf_counter() - t0, stale)
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.steps:
                 last_eval = evaluate(ctx, cluster, step)
         after = evaluate(ctx, cluster, cfg.trainer.steps) if cfg.trainer.steps else last_eval
@@ -60,9 +66,22 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
     return {**summary, "summary_path": str(path), "run_id": ctx.run_id, "mlflow_run_id": ctx.tracker.run_id}
 
 
+def _collect(ctx: Any, cluster: Any, step: int) -> tuple[dict, dict]:
+    """Rollout then score, synchronously."""
+    roll = rollout_batch(ctx, cluster, step)
+    return roll, score_batch(ctx, cluster, step)
+
+
+def _collect_ahead(ctx: Any, cluster: Any, step: int) -> tuple[Any, Any]:
+    """Rollout then score as futures, running concurrently with the train step."""
+    roll = rollout_batch.submit(ctx, cluster, step)
+    return roll, score_batch.submit(ctx, cluster, step, wait_for=[roll])
+
+
 def _summary_fields(ctx: Any, before: dict, after: dict, gate: dict | None) -> dict[str, Any]:
     steps = [h for h in ctx.history if h["kind"] == "step"]
     fracs = [h["sync_fraction"] for h in steps if h.get("sync_fraction") is not None]
+    stale = [h.get("staleness", 0) for h in steps]
     overheads = [h["orchestration_overhead_fraction"] for h in steps if h.get("orchestration_overhead_fraction")]
     return {
         "eval_before": before["score"], "eval_after": after["score"],
@@ -72,5 +91,7 @@ def _summary_fields(ctx: Any, before: dict, after: dict, gate: dict | None) -> d
         "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
         "sync_bytes_total": sum(h.get("sync_bytes") or 0 for h in steps),
         "sync_fraction_mean": sum(fracs) / len(fracs) if fracs else 0.0,
+        "loop_mode": ctx.cfg.loop.mode, "max_staleness_seen": max(stale, default=0),
+        "staleness_bound": ctx.cfg.loop.max_staleness,
         "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
     }

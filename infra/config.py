@@ -438,6 +438,25 @@ class TrackingConfig(_Strict):
     registered_model: str = Field("deltaloop-policy", description="Registry name for promotions.")
 
 
+class LoopConfig(_Strict):
+    """How rollouts and training overlap (asynchronous RL) and how stale a batch may be."""
+
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: each batch comes from the newest policy; async: the batch for step t+1 is "
+        "generated and scored while step t trains (one version behind).",
+    )
+    max_staleness: int = Field(
+        1, ge=0, le=1000, description="Largest allowed policy lag (in versions) of a training batch."
+    )
+    stale_policy: Literal["drop", "importance"] = Field(
+        "drop",
+        description="A batch older than max_staleness is dropped and regenerated from the current "
+        "policy (drop), or trained on with the clipped importance ratio against the policy that "
+        "produced it (importance).",
+    )
+
+
 class EvalConfig(_Strict):
     """When to evaluate on the held-out split."""
 
@@ -482,6 +501,7 @@ class RunConfig(_Strict):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
 

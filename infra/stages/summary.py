@@ -67,7 +67,7 @@ def human_summary(s: dict[str, Any]) -> str:
 
 
 def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[str, Any], train: dict[str, Any],
-                sync: dict[str, Any], wall: float) -> dict[str, Any]:
+                sync: dict[str, Any], wall: float, stale: dict[str, Any] | None = None) -> dict[str, Any]:
     """Log one step's metrics to MLflow, keep them in the history, print a progress line."""
     m = train.get("metrics", {})
     pub = train.get("publish", {})
@@ -86,6 +86,7 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
         "sync_changed_fraction": pub.get("changed_fraction"),
         "sync_publish_seconds": pub.get("seconds"), "sync_load_seconds": sync.get("seconds"),
         "step_seconds": wall,
+        "staleness": (stale or {}).get("staleness", 0), "batch_dropped": int(bool((stale or {}).get("dropped"))),
         "orchestration_overhead_fraction": max(0.0, wall - stage_seconds) / wall if wall > 0 else None,
     }
     ctx.history.append(row)
@@ -93,6 +94,6 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
     ctx.report(
         f"step {step:>3}/{ctx.cfg.trainer.steps}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
         f"solved {row['solved_fraction']:.2f}  kl {row['kl'] or 0:.4f}  v{row['version']} "
-        f"sync {(row['sync_bytes'] or 0) / 1e3:.1f} kB ({(row['sync_fraction'] or 0) * 100:.2f}%)  {wall:.2f}s"
+        f"stale {row['staleness']}  sync {(row['sync_bytes'] or 0) / 1e3:.1f} kB ({(row['sync_fraction'] or 0) * 100:.2f}%)  {wall:.2f}s"
     )
     return row
