@@ -47,11 +47,11 @@ def _cfg(cl: NetnsCluster, hosts: list[int], **kw: object) -> ClusterConfig:
     entries = cl.cluster_hosts()
     return ClusterConfig.model_validate({
         "type": "hosts", "ranks": 2, "hosts": [entries[i] for i in hosts], "ssh_key": cl.key,
-        "ssh_options": cl.ssh_options(), "start_timeout_s": 60, **kw,
+        "ssh_options": cl.ssh_options(), "start_timeout_s": 300, **kw,
     })
 
 
-def _wait(handle: HostsGroup, timeout: float = 120) -> int | None:
+def _wait(handle: HostsGroup, timeout: float = 400) -> int | None:
     deadline = time.monotonic() + timeout
     while handle.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
