@@ -127,3 +127,21 @@ def test_flow_failure_tears_everything_down(harness: None, tmp_path: Path) -> No
     stop.set()
     assert "trainer" in str(info.value).lower()
     assert not _wait_gone(root), "services survived a failed flow"
+
+
+def test_async_loop_enforces_staleness_bound(harness: None, tmp_path: Path) -> None:
+    """Async RL: batches are generated one version behind; with bound 0 they are dropped and
+    regenerated from the current policy, so no trained batch exceeds the bound."""
+    from flows.rl_train import rl_train
+
+    common = [*TINY, "trainer.steps=3", "loop.mode=async", "promote.enabled=false"]
+    out = rl_train(config="configs/demo.yaml", overrides=[*common, "loop.max_staleness=1", f"run_root={tmp_path}/a"])
+    s = json.loads(Path(out["summary_path"]).read_text())
+    steps = [h for h in s["history"] if h["kind"] == "step"]
+    assert [h["staleness"] for h in steps] == [0, 1, 1]
+    assert s["max_staleness_seen"] == 1 <= s["staleness_bound"]
+    out0 = rl_train(config="configs/demo.yaml", overrides=[*common, "loop.max_staleness=0", f"run_root={tmp_path}/b"])
+    s0 = json.loads(Path(out0["summary_path"]).read_text())
+    steps0 = [h for h in s0["history"] if h["kind"] == "step"]
+    assert [h["staleness"] for h in steps0] == [0, 0, 0]
+    assert [h["batch_dropped"] for h in steps0] == [0, 1, 1]
