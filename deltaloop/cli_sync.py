@@ -1,0 +1,121 @@
+"""``deltaloop sync``: move safetensors checkpoints through an object store as keyframes + deltas.
+
+    deltaloop sync publish DIR --store URI [--endpoint-url URL]      # prints version + bytes written
+    deltaloop sync fetch --store URI [--version N] --out DIR         # byte-identical safetensors folder
+    deltaloop sync list --store URI                                   # committed versions
+    deltaloop sync gc --store URI --keep N                            # collect old versions
+
+Useful on its own for moving checkpoints between clusters: a fetch into a folder that a previous
+fetch wrote downloads only the deltas since.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+sync_app = typer.Typer(help="Publish/fetch safetensors checkpoints as versioned keyframes + deltas.",
+                       no_args_is_help=True)
+
+_STORE = typer.Option(..., "--store", help="Object store URI: file:///path, a path, or s3://bucket/prefix.")
+_PREFIX = typer.Option("weights", "--prefix", help="Key prefix of the version store inside the store.")
+_ENDPOINT = typer.Option(None, "--endpoint-url", help="S3 endpoint URL (MinIO, moto, R2...).")
+_THREADS = typer.Option(2, "--threads", min=1, max=256, help="Encode/decode threads.")
+
+
+def _open(store: str, endpoint_url: Optional[str]):  # noqa: ANN202
+    from infra.storage import open_store
+
+    return open_store(store, endpoint_url=endpoint_url)
+
+
+@sync_app.command("publish")
+def publish(
+    folder: Path = typer.Argument(..., exists=True, file_okay=False, help="A safetensors model folder."),
+    store: str = _STORE,
+    prefix: str = _PREFIX,
+    endpoint_url: Optional[str] = _ENDPOINT,
+    keyframe_every: int = typer.Option(10, "--keyframe-every", min=1, help="A keyframe every K versions."),
+    codec: str = typer.Option("auto", "--codec", help="Delta codec: auto, sparse or xor."),
+    zstd_level: int = typer.Option(1, "--zstd-level", min=-7, max=22, help="zstd level of frames."),
+    keyframe: bool = typer.Option(False, "--keyframe", help="Force a keyframe."),
+    threads: int = _THREADS,
+) -> None:
+    """Publish FOLDER as the next version; prints the version and the bytes written."""
+    from infra.weightsync import VersionPublisher
+    from infra.weightsync.folder import read_folder
+
+    tensors, files, meta = read_folder(folder)
+    pub = VersionPublisher(_open(store, endpoint_url), prefix, keyframe_every=keyframe_every, codec=codec,  # type: ignore[arg-type]
+                           zstd_level=zstd_level, threads=threads)
+    info = pub.publish(tensors, files=files, meta=meta, keyframe=keyframe or None)
+    typer.echo(
+        f"version {info.version} ({info.kind}): {info.bytes_written} bytes written "
+        f"({info.bytes_written / max(info.raw_bytes, 1):.3%} of {info.raw_bytes} raw), "
+        f"{info.changed_fraction:.3%} changed, {info.seconds:.2f}s"
+    )
+
+
+@sync_app.command("fetch")
+def fetch(
+    store: str = _STORE,
+    out: Path = typer.Option(..., "--out", help="Folder to write (created; updated incrementally if a "
+                             "previous fetch wrote it)."),
+    version: Optional[int] = typer.Option(None, "--version", min=1, help="Version to fetch (default: newest)."),
+    prefix: str = _PREFIX,
+    endpoint_url: Optional[str] = _ENDPOINT,
+    threads: int = _THREADS,
+    strict: bool = typer.Option(False, "--strict", help="Fail on the first fault instead of recovering."),
+) -> None:
+    """Fetch a version into OUT as a safetensors folder identical to the one published."""
+    from infra.weightsync import VersionReader
+    from infra.weightsync.folder import read_folder, read_marker, write_folder
+
+    st = _open(store, endpoint_url)
+    rd = VersionReader(st, prefix, threads=threads, strict=strict)
+    have = have_version = None
+    mark = read_marker(out)
+    if mark and mark.get("store") == st.uri and mark.get("prefix") == prefix:
+        try:
+            have, _files, _meta = read_folder(out)
+            have_version = int(mark["version"])
+        except (OSError, ValueError, KeyError):
+            have = have_version = None
+    tensors, v = rd.fetch(version, have=have, have_version=have_version)
+    man = rd.manifest(v)
+    write_folder(out, tensors, rd.files(v), man.meta, marker={"store": st.uri, "prefix": prefix, "version": v})
+    for err in rd.last_errors:
+        typer.echo(f"recovered from: {err}", err=True)
+    read = rd.last_stats.get("bytes_read", 0)
+    typer.echo(f"version {v} -> {out} ({read} bytes read, via {rd.last_stats.get('path')})")
+
+
+@sync_app.command("list")
+def list_versions(store: str = _STORE, prefix: str = _PREFIX, endpoint_url: Optional[str] = _ENDPOINT) -> None:
+    """List committed versions (K = keyframe)."""
+    from infra.weightsync.layout import scan_versions
+
+    committed, keyframes, _ = scan_versions(_open(store, endpoint_url).list(prefix.strip("/") + "/"))
+    for v in committed:
+        typer.echo(f"{v}\t{'K' if v in keyframes else 'd'}")
+
+
+@sync_app.command("gc")
+def gc(
+    store: str = _STORE,
+    keep: int = typer.Option(..., "--keep", min=1, help="Keep the newest N versions (and their keyframe)."),
+    prefix: str = _PREFIX,
+    endpoint_url: Optional[str] = _ENDPOINT,
+) -> None:
+    """Delete versions no reader of the newest KEEP versions needs."""
+    from infra.weightsync import collect
+
+    deleted = collect(_open(store, endpoint_url), prefix, keep)
+    typer.echo(f"deleted versions: {', '.join(map(str, deleted)) or 'none'}")
+
+
+def register(app: typer.Typer) -> None:
+    """Attach the ``sync`` sub-commands."""
+    app.add_typer(sync_app, name="sync")

@@ -1,0 +1,97 @@
+"""Safetensors model folders <-> versions (what ``deltaloop sync publish/fetch`` moves).
+
+Every ``*.safetensors`` file's tensors become the version's tensors (names must be unique across
+files); which file held which tensor and each file's ``__metadata__`` go into the manifest's
+``meta``; every other regular file (``config.json``, tokenizer files...) is a side file. Writing
+back uses the same files, tensors and metadata, so files written by the ``safetensors`` library
+come back byte-for-byte identical (its layout is deterministic), and every tensor always does.
+A folder written by :func:`write_folder` carries ``.deltaloop-sync.json`` (store, prefix, version)
+so the next fetch into it downloads only the deltas since.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+MARKER = ".deltaloop-sync.json"
+
+
+def _st_metadata(path: Path) -> dict[str, str] | None:
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    return header.get("__metadata__")
+
+
+def read_folder(folder: str | Path) -> tuple[dict[str, "torch.Tensor"], dict[str, bytes], dict[str, Any]]:
+    """Tensors, side files and layout meta of a safetensors folder."""
+    from safetensors.torch import load_file
+
+    root = Path(folder)
+    if not root.is_dir():
+        raise FileNotFoundError(f"not a folder: {root}")
+    tensors: dict[str, "torch.Tensor"] = {}
+    layout: dict[str, Any] = {}
+    files: dict[str, bytes] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MARKER:
+            continue
+        if path.suffix == ".safetensors":
+            loaded = load_file(str(path))
+            dup = sorted(set(loaded) & set(tensors))
+            if dup:
+                raise ValueError(f"tensor {dup[0]!r} appears in more than one safetensors file")
+            tensors.update(loaded)
+            layout[rel] = {"tensors": list(loaded), "metadata": _st_metadata(path)}
+        else:
+            files[rel] = path.read_bytes()
+    if not layout:
+        raise FileNotFoundError(f"no *.safetensors file in {root}")
+    return tensors, files, {"safetensors": layout}
+
+
+def write_folder(
+    folder: str | Path,
+    tensors: dict[str, "torch.Tensor"],
+    files: dict[str, bytes],
+    meta: dict[str, Any],
+    marker: dict[str, Any] | None = None,
+) -> Path:
+    """Write a safetensors folder from a fetched version (inverse of :func:`read_folder`)."""
+    from safetensors.torch import save_file
+
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    layout = meta.get("safetensors") or {"model.safetensors": {"tensors": list(tensors), "metadata": None}}
+    for rel, spec in layout.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = {name: tensors[name].contiguous() for name in spec["tensors"]}
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(part, str(tmp), metadata=spec.get("metadata"))
+        tmp.replace(path)
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    if marker is not None:
+        (root / MARKER).write_text(json.dumps(marker))
+    return root
+
+
+def read_marker(folder: str | Path) -> dict[str, Any] | None:
+    """The ``.deltaloop-sync.json`` of a folder written by a fetch, if any."""
+    path = Path(folder) / MARKER
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
