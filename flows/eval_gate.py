@@ -1,0 +1,21 @@
+"""The ``eval-gate`` flow: evaluate a registered model version against the champion and promote or reject.
+
+Both models are evaluated on the same eval suites by the same code (``infra/stages/gate.py``); the
+decision is a Prefect markdown artifact of this run and an MLflow artifact of the gate run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from infra.config import load_config
+from tasks.gate import gate_version
+
+
+@flow(name="eval-gate", log_prints=False)
+def eval_gate(version: str, config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Gate model VERSION of the configured registered model against its champion."""
+    cfg = load_config(config, list(overrides or []))
+    return gate_version(cfg, str(version))
