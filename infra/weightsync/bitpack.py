@@ -34,21 +34,22 @@ def pack_fixed(values: np.ndarray, k: int) -> bytes:
     """Pack unsigned ``values`` (each < 2**k) as k-bit big-endian fields."""
     if k == 0 or len(values) == 0:
         return b""
-    nbytes = next(b for b in (1, 2, 4, 8) if 8 * b >= k)
-    be = values.astype(f">u{nbytes}", copy=False).view(np.uint8).reshape(len(values), nbytes)
-    bits = np.unpackbits(be, axis=1)[:, 8 * nbytes - k :]
+    bits = np.empty((len(values), k), np.uint8)
+    for j in range(k):  # k columns, each a vectorised pass over all values
+        np.bitwise_and(values >> (k - 1 - j), 1, out=bits[:, j], casting="unsafe")
     return np.packbits(bits.reshape(-1)).tobytes()
 
 
 def unpack_fixed(buf: bytes | memoryview, n: int, k: int) -> np.ndarray:
     """Inverse of :func:`pack_fixed`; returns int64."""
+    out = np.zeros(n, np.int64)
     if k == 0 or n == 0:
-        return np.zeros(n, np.int64)
+        return out
     bits = np.unpackbits(np.frombuffer(buf, np.uint8), count=n * k).reshape(n, k)
-    nbytes = next(b for b in (1, 2, 4, 8) if 8 * b >= k)
-    padded = np.zeros((n, 8 * nbytes), np.uint8)
-    padded[:, 8 * nbytes - k :] = bits
-    return np.packbits(padded, axis=1).view(f">u{nbytes}").reshape(n).astype(np.int64)
+    for j in range(k):
+        out <<= 1
+        out |= bits[:, j]
+    return out
 
 
 def fixed_len(n: int, k: int) -> int:
