@@ -29,7 +29,6 @@ OPTIONS_JSON``; MODE is ``--runner``, ``--zygote FD`` or ``--oneshot [JOB_JSON]`
 reply: the no-pool baseline of the benchmark).
 """
 
-import errno
 import json
 import os
 import resource
@@ -37,7 +36,6 @@ import select
 import shutil
 import signal
 import socket
-import stat
 import struct
 import sys
 import time
@@ -306,6 +304,7 @@ def zygote_main(fd, opts):
         except Exception:
             pass
     sock = socket.socket(fileno=fd)
+    sock.sendall(b"R")  # ready: the runner waits for this, so a job never pays our start-up
     while True:
         try:
             head, fds, _flags, _addr = socket.recv_fds(sock, 8, 3)
@@ -365,6 +364,9 @@ class Runner:
                 os._exit(127)
         theirs.close()
         self.zpid, self.zsock, self.zbuf = pid, ours, b""
+        ready, _, _ = select.select([ours], [], [], 60.0)
+        if not ready or ours.recv(1) != b"R":
+            raise RuntimeError("zygote did not start")
 
     def _zmsg(self):
         """Parse one complete zygote message from the buffer, or None."""

@@ -85,3 +85,14 @@ def test_warm_buffer_follows_the_sizing_rule() -> None:
         assert m["jobs"] == 30 and m["errors"] == 0
         assert m["sandboxes_started"] <= 3  # never more than max_warm without retirements
         assert pool.target() == 1  # nothing in flight: back to min_warm
+
+
+def test_bwrap_with_separate_rootfs_hides_the_host() -> None:
+    _need("bwrap")
+    rootfs = "/var/cache/deltaloop/rootfs"
+    if not os.path.isdir(os.path.join(rootfs, "scratch")):
+        pytest.skip("no debootstrap rootfs (scripts/setup_sandbox.sh builds it with the docker image)")
+    cfg = SandboxConfig(runtime="bwrap", rootfs=rootfs, min_warm=1, max_warm=1, concurrency=1)
+    with create_pool(cfg) as pool:
+        res = pool.exec(f"import os\nprint(os.path.exists({str(Path.cwd())!r}), os.path.exists('/root/.pyenv'))\n")
+    assert (res.reason, res.stdout_tail) == ("ok", "False False\n"), res
