@@ -39,7 +39,7 @@ def _service_pids(run_root: Path) -> list[int]:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if str(run_root) in cmd and "pytest" not in cmd:
+        if str(run_root) in cmd:
             pids.append(int(d.name))
     return pids
 
