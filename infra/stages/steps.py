@@ -66,6 +66,8 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
         "sandbox_latency_ms": 1000 * sum(r.wall_seconds for r in results) / n,
         "reasons": reasons,
     }
+    # the pool's own window (queue wait, start/run latency, utilisation, idle sandbox-seconds)
+    summary["sandbox"] = cluster.sandbox.metrics(reset=True)
     put_json(ctx.store, out_key, {"rewards": rewards, "reasons": [r.reason for r in results], "summary": summary})
     return {**summary, "key": out_key}
 

@@ -90,7 +90,8 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
         "orchestration_overhead_fraction": max(0.0, wall - stage_seconds) / wall if wall > 0 else None,
     }
     ctx.history.append(row)
-    ctx.tracker.log_metrics({k: v for k, v in row.items() if k not in ("kind", "step")}, step=step)
+    pool = {f"sandbox_{k}": v for k, v in (score.get("sandbox") or {}).items()}
+    ctx.tracker.log_metrics({**{k: v for k, v in row.items() if k not in ("kind", "step")}, **pool}, step=step)
     ctx.report(
         f"step {step:>3}/{ctx.cfg.trainer.steps}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
         f"solved {row['solved_fraction']:.2f}  kl {row['kl'] or 0:.4f}  v{row['version']} "
