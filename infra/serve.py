@@ -146,6 +146,8 @@ class Stack:
         self.env = {**os.environ, **o.extra_env, "PREFECT_API_URL": api, MLFLOW_UI_ENV: self.urls["mlflow_ui"],
                     "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), o.host, "localhost"]))}
+        # MLflow's background job runner (GenAI jobs; three huey consumers) is not used here
+        self.env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
         if o.api_auth_string:
             self.env["PREFECT_SERVER_API_AUTH_STRING"] = o.api_auth_string
             self.env["PREFECT_API_AUTH_STRING"] = o.api_auth_string
