@@ -111,3 +111,22 @@ def test_truncated_frame_raises() -> None:
             decode_into(frame[:cut], o.copy())
     with pytest.raises(ValueError):
         decode_into(frame, o[:-1].copy())  # wrong size
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_sparse_positions_split_by_magnitude_class(dtype: torch.dtype) -> None:
+    """Tiny weights (which an update moves many ulps) are coded as their own class, bit-exact."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200_000, generator=g) * 0.05
+    tiny = torch.rand(200_000, generator=g) < 0.01
+    w[tiny] = torch.randn(int(tiny.sum()), generator=g) * 1e-4
+    upd = 2e-6 * torch.sign(torch.randn(200_000, generator=g)) if dtype != torch.float32 else 2e-9 * torch.sign(
+        torch.randn(200_000, generator=g))
+    old, new = w.to(dtype), (w + upd).to(dtype)
+    o, n = tensor_words(old), tensor_words(new)
+    frame, _ = encode_delta(o, n, "sparse")
+    assert frame is not None
+    assert frame[10] == 1  # header (10 bytes), then position mode 1 = split by class
+    buf = o.copy()
+    decode_into(frame, buf)
+    assert buf.tobytes() == n.tobytes()
