@@ -8,11 +8,12 @@ A fetch of version ``T`` picks the cheapest intact path:
 
 Deltas are folded per chunk: every chunk is one buffer that each version's frame patches in place,
 so replaying nine deltas costs nine small scatters, not nine model copies. After every frame the
-chunk's xxh3-128 digest is checked against that version's manifest; before the first patch from the
-caller's tensors their digest is checked against version ``h`` (a wrong base fails as
-:class:`WrongBase`). A failure in one path (missing, truncated or corrupted object, wrong base) is
-recorded in ``last_errors`` and the next path is tried; with ``strict=True`` the first error is
-raised instead. When no path reaches the newest version and no explicit target was given, the
+chunk's xxh3-128 digest is checked against that version's manifest. When a patch of the caller's
+tensors fails that check, the caller's original chunk is hashed against version ``h`` to tell a
+wrong base (:class:`WrongBase`) from corrupt data (:class:`CorruptData`); chunks no delta touched
+are verified against the target at the end. A failure in one path (missing, truncated or
+corrupted object, wrong base) is recorded in ``last_errors`` and the next path is tried; with
+``strict=True`` the first error is raised instead. When no path reaches the newest version and no explicit target was given, the
 newest intact keyframe is returned (its version is the second element of the result).
 
 Pipeline and memory bound: frames are fetched as byte ranges of shards (adjacent frames merged up
@@ -249,19 +250,26 @@ class VersionReader:
         ranges = self._ranges(steps)
         self.last_stats = {"bytes_read": sum(r.length for r in ranges), "versions": [s[0] for s in steps]}
 
+        origs = [tensor_bytes(have[t.name]) for t in tensors] if (have is not None and not inplace) else None
+
         def decode(step: int, ti: int, ci: int, frame: memoryview) -> None:
             v, kind, man = steps[step]
             t = man.tensors[ti]
             s, e = bounds[ti][ci]
             buf = words[ti][s:e]
-            if not touched[ti][ci] and kind == "d":
-                base_h = self.manifest(v - 1).tensors[ti].chunks[ci].h
-                if digest(buf) != base_h:
-                    raise WrongBase(f"chunk {ci}: the tensors given are not version {v - 1} (digest differs)",
-                                    version=v, tensor=t.name)
+            first = not touched[ti][ci]
             try:
                 apply_frame(frame, buf, t.chunks[ci].h)
-            except Exception as exc:  # malformed frame or checksum mismatch: corruption either way
+            except Exception as exc:  # malformed frame or checksum mismatch
+                if first and kind == "d":  # was the base wrong? (checked only on failure: saves a pass)
+                    base_h = self.manifest(v - 1).tensors[ti].chunks[ci].h
+                    if origs is not None:
+                        orig = origs[ti].view(buf.dtype)[s:e]
+                        if digest(orig) != base_h:
+                            raise WrongBase(f"chunk {ci}: the tensors given are not version {v - 1}",
+                                            version=v, tensor=t.name) from None
+                    else:
+                        exc = ValueError(f"{exc} (corrupt data, or the in-place tensors were not version {v - 1})")
                 raise CorruptData(f"chunk {ci} ({kind} frame): {exc}", version=v, tensor=t.name) from exc
             touched[ti][ci] = True
 
