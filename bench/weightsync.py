@@ -316,7 +316,7 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
     console = Console()
     torch.set_num_threads(os.cpu_count() or 1)
     lrs = LRS[:1] if quick else LRS
-    n_layers, steps, batch, seqlen, reps = (4, 2, 2, 16, 1) if quick else (None, 2, 2, 32, 3)
+    n_layers, steps, batch, seqlen, reps = (2, 2, 1, 16, 1) if quick else (None, 2, 2, 32, 3)
     hw = hardware()
     console.print(f"[bold]weightsync benchmark[/] on {hw}")
     t0 = time.perf_counter()
