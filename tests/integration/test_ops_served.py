@@ -245,7 +245,7 @@ def test_ui_headless_chromium_shows_deployments_run_and_champion(served: Served)
         _wait_text(drv, [run_name])
         drv.save_screenshot(str(SHOTS / "prefect-runs.png"))
         drv.get(f"{served.mlflow}/#/models/deltaloop-policy")
-        _wait_text(drv, ["deltaloop-policy", "champion"])
+        _wait_text(drv, ["deltaloop-policy", "@ champion"])  # the alias chip, not the description
         drv.save_screenshot(str(SHOTS / "mlflow-model-champion.png"))
     finally:
         drv.quit()
