@@ -28,10 +28,13 @@ from tasks.train import train_step
 
 
 @flow(name="rl-train", log_prints=False)
-def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run the whole RL pipeline for CONFIG (+ ``key=value`` overrides); returns the summary."""
+def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = None,
+             resume: str | None = None) -> dict[str, Any]:
+    """Run the whole RL pipeline for CONFIG (+ ``key=value`` overrides); returns the summary.
+
+    ``resume``: the id of an earlier run to continue (finished stages are read back from the store)."""
     cfg = load_config(config, overrides or [])
-    ctx = prepare_run(cfg)
+    ctx = prepare_run(cfg, resume)
     cluster = None
     status = "FAILED"
     try:
