@@ -1,5 +1,10 @@
 """*provision*: start the long-lived services — trainer group, rollout worker, sandbox pool.
 
+On a resumed run (``deltaloop run --resume``) the trainer restores the newest committed checkpoint
+instead of warm-starting, and the rollout worker starts from the version published at provision;
+the flow then replays the finished steps from the store. A dead trainer group is replaced by
+:func:`restart_trainer`.
+
 Order matters on a small host: the rollout worker and the sandbox pool start in the background
 while the trainer ranks initialise and (unless starting from a registered model) run the
 supervised warm start; then the trainer publishes version 1 and the worker loads it. If anything
@@ -54,14 +59,10 @@ def provision(ctx: RunContext) -> Cluster:
         cluster.rollout.wait_ready()
         ctx.report(f"rollout worker at {cluster.rollout.url}; sandbox pool ({cfg.sandbox.runtime}) warm")
         info: dict[str, Any] = {"trainer": cluster.trainer.call("init")}
-        ctx.report(f"trainer up: {cfg.cluster.ranks} rank(s), {info['trainer']['params']:,} parameters")
-        if init_dir is None and cfg.warmstart.steps > 0:
-            ctx.report(f"supervised warm start: {cfg.warmstart.steps} steps")
-            info["warmstart"] = cluster.trainer.call("warmstart")
-            ctx.report(f"warm start done in {info['warmstart'].get('seconds', 0):.1f}s "
-                       f"(loss {info['warmstart'].get('final_loss', float('nan')):.3f})")
-        pub = cluster.trainer.call("publish")
-        load = cluster.rollout.load(pub["version"])
+        ctx.report(f"trainer up: {cfg.cluster.ranks} rank(s), {cfg.trainer.engine} engine, "
+                   f"{info['trainer']['params']:,} parameters")
+        first_version, pub = start_trainer_state(ctx, cluster.trainer, info)
+        load = cluster.rollout.load(first_version)
         cluster.version = int(load["version"])
         info["publish"] = pub
         info["seconds"] = time.perf_counter() - t0
@@ -72,6 +73,57 @@ def provision(ctx: RunContext) -> Cluster:
     except BaseException:
         cluster.close()
         raise
+
+
+def start_trainer_state(ctx: RunContext, trainer: Any, info: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Resume the trainer from the newest checkpoint of this run, or warm-start, publish and save step 0.
+
+    Returns the weight version the rollout worker must serve before step 1 and the publish record."""
+    from infra.train.checkpoint import read_manifest
+
+    cfg = ctx.cfg
+    restored = trainer.call("restore")
+    if restored["step"] is not None:
+        info["restored"] = restored
+        first = int(read_manifest(ctx.store, ctx.run_id, 0)["weights_version"])
+        ctx.report(f"resumed trainer from the checkpoint of step {restored['step']} "
+                   f"(weights v{restored['weights_version']}); later steps replay from stored rollouts")
+        return first, {"version": first, "kind": "existing", "bytes_written": 0, "raw_bytes": 0, "seconds": 0.0}
+    if ctx.cfg.init_from is None and cfg.warmstart.steps > 0:
+        ctx.report(f"supervised warm start: {cfg.warmstart.steps} steps")
+        info["warmstart"] = trainer.call("warmstart")
+        ctx.report(f"warm start done in {info['warmstart'].get('seconds', 0):.1f}s "
+                   f"(loss {info['warmstart'].get('final_loss', float('nan')):.3f})")
+    pub = trainer.call("publish")
+    info["checkpoint"] = trainer.call("checkpoint", step=0)
+    return int(pub["version"]), pub
+
+
+def restart_trainer(ctx: RunContext, cluster: Cluster, reason: str) -> dict[str, Any]:
+    """Replace a dead trainer group: fresh ranks, newest checkpoint restored. Returns ``{"step", ...}``.
+
+    Raises :class:`~infra.train.service.TrainerRestartsExhausted` after ``trainer.max_restarts``."""
+    from infra.train.service import TrainerRestartsExhausted, TrainerService
+
+    done = int(cluster.info.get("trainer_restarts", 0))
+    limit = ctx.cfg.trainer.max_restarts
+    if done >= limit:
+        raise TrainerRestartsExhausted(f"trainer died again after {done} restart(s) (max_restarts={limit}): {reason}")
+    cluster.info["trainer_restarts"] = done + 1
+    first_line = reason.strip().splitlines()[0] if reason.strip() else "no reason"
+    ctx.report(f"trainer group died ({first_line}); restart {done + 1}/{limit} from the last checkpoint")
+    old = cluster.trainer
+    init_dir = getattr(old, "init_dir", None)
+    if old is not None:
+        old.close()
+    cluster.trainer = TrainerService(ctx.cfg, ctx.run_id, ctx.store, ctx.run_dir, init_dir)
+    cluster.trainer.start()
+    cluster.trainer.call("init")
+    restored = cluster.trainer.call("restore")
+    if restored["step"] is None:
+        raise TrainerRestartsExhausted(f"run {ctx.run_id} has no committed trainer checkpoint to restart from")
+    ctx.report(f"trainer restored at step {restored['step']} (weights v{restored['weights_version']})")
+    return restored
 
 
 def teardown(cluster: Cluster | None) -> list[str]:

@@ -81,11 +81,37 @@ def _fix_problem(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
-    """One GRPO update on the scored batch of ``step``; the trainer publishes the next version."""
+def _train_call(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     return cluster.trainer.call(
         "train_step", step=step, rollouts_key=ctx.key(step, "rollouts.json"), scores_key=ctx.key(step, "scores.json")
     )
+
+
+def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
+    """One GRPO update on the scored batch of ``step``; the trainer publishes the next version.
+
+    If the trainer group dies (:class:`~infra.rpc.ServiceDied`: a rank was killed, a host lost), it
+    is restarted from its newest checkpoint and the steps between that checkpoint and ``step`` are
+    replayed from their stored rollouts and scores before ``step`` is trained — bit-identically on
+    CPU. Gives up after ``trainer.max_restarts`` restarts.
+    """
+    from infra.rpc import ServiceDied
+    from infra.stages.provision import restart_trainer
+
+    replay: list[int] = []
+    while True:
+        try:
+            while replay:
+                _train_call(ctx, cluster, replay[0])
+                replay.pop(0)
+            return _train_call(ctx, cluster, step)
+        except ServiceDied as exc:
+            if not getattr(exc, "retryable", True):
+                raise
+            restored = restart_trainer(ctx, cluster, str(exc))
+            replay = list(range(int(restored["step"]) + 1, step))
+            if replay:
+                ctx.report(f"replaying steps {replay[0]}..{replay[-1]} from stored rollouts")
 
 
 def sync_weights(ctx: RunContext, cluster: Cluster, version: int) -> dict[str, Any]:

@@ -5,6 +5,10 @@ provider (``local`` torchrun by default), waits for rank 0 to publish its contro
 object store, and then sends one command per pipeline stage (``init``, ``warmstart``, ``publish``,
 ``train_step``, ``export``). Nothing reloads the model per step.
 
+If the group dies (a rank is killed, a host is lost), calls raise :class:`~infra.rpc.ServiceDied`;
+:func:`infra.stages.provision.restart_trainer` then starts a fresh group and restores the newest
+checkpoint, and the train stage replays the steps after it (see docs/training.md).
+
 Teardown (:meth:`TrainerService.close`) asks for a clean shutdown, then kills the whole process
 group; every rank also exits on its own if the flow process that started it disappears, so no
 rank outlives its flow.
@@ -24,6 +28,12 @@ from infra.cluster.base import GroupHandle
 from infra.config import RunConfig
 from infra.rpc import RpcClient, ServiceDied
 from infra.storage import ObjectStore, run_key
+
+
+class TrainerRestartsExhausted(ServiceDied):
+    """The trainer group died more often than ``trainer.max_restarts`` allows (no more retries)."""
+
+    retryable = False
 
 
 def _tail(path: str, lines: int = 30) -> str:

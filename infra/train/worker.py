@@ -1,12 +1,20 @@
 """One trainer rank. Run under torchrun by a cluster provider: ``python -m infra.train.worker --spec F``.
 
-Every rank holds a full replica of the policy (fp32 master weights) and its AdamW state
-(``trainer.engine: torch``), or a DeepSpeed ZeRO engine (``trainer.engine: deepspeed``). Rank 0 owns
-the control channel: it receives a command, broadcasts it to all ranks, every rank executes it on
-its shard of the data, gradients are all-reduced, and rank 0 replies.
+The rank builds the policy and wraps it in the configured engine (``trainer.engine``: torch replica
+with a flat gradient all-reduce, FSDP, or DeepSpeed ZeRO; see :mod:`infra.train.engines`). Rank 0
+owns the control channel: it receives a command, broadcasts it to all ranks, every rank executes it
+on its shard of the data, and rank 0 replies.
 
-Commands are idempotent by step: ``train_step`` for a step the trainer has already done returns
-the stored result instead of training twice (a retried Prefect task never double-trains).
+Steps are keyed by (run, step) and strictly ordered: ``train_step`` for a step the trainer has
+already done returns the stored result (a retried Prefect task never double-trains), and a step
+that skips ahead is refused (the stage layer replays the missing steps from their stored rollouts).
+The weights after step s are published as the next version only if that version is not committed
+yet (a replay after a restart re-derives bit-identical weights and reuses the published version).
+Every ``trainer.checkpoint_every`` steps the full state goes to the object store
+(:mod:`infra.train.checkpoint`); ``restore`` loads the newest committed one.
+
+Fault injection for tests: ``DELTALOOP_TRAINER_FAULT="step=S,rank=R"`` makes rank R SIGKILL itself
+in the middle of step S (after its first backward), once per run (a marker in the store).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -25,6 +34,12 @@ import torch.distributed as dist
 
 from infra.config import RunConfig
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
+
+
+class StepOrderError(RuntimeError):
+    """``train_step`` was asked for a step beyond the next one (earlier steps must be replayed first)."""
+
+    retryable = False
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -44,7 +59,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 class Trainer:
-    """State of one rank: model, optimizer, step counter, weight publisher (rank 0)."""
+    """State of one rank: engine (model + optimizer), step, weights version, publisher (rank 0)."""
 
     def __init__(self, cfg: RunConfig, spec: dict[str, Any], store: ObjectStore) -> None:
         self.cfg = cfg
@@ -54,17 +69,18 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.step = 0
+        self.weights_version = 0  # version of the current weights (published or, in a replay, re-derived)
         self.model: torch.nn.Module | None = None
         self.tokenizer: Any = None
         self.ref_model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.engine: Any = None  # DeepSpeed engine when configured
+        self.engine: Any = None
         self.publisher: Any = None
 
     # --------------------------------------------------------------------------------- init
     def op_init(self) -> dict[str, Any]:
-        """Build or load the policy on every rank (same seed => same init), create the optimizer."""
+        """Build or load the policy on every rank (same seed => same init), wrap it in the engine."""
         from infra.model import load_policy
+        from infra.train.engines import create_engine
 
         torch.manual_seed(self.cfg.seed)
         init_dir = self.spec.get("init_dir")
@@ -76,69 +92,37 @@ class Trainer:
         else:
             model, tokenizer = load_policy(self.cfg.model, seed=self.cfg.seed)
         model = model.float()
-        model.train()
-        self.model, self.tokenizer = model, tokenizer
-        self._make_optimizer(self.cfg.trainer.lr)
+        tcfg = self.cfg.trainer
+        if tcfg.activation_checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.cfg.trainer.kl_coef > 0:
             import copy
 
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if tcfg.lora.enabled:
+            from infra.train.lora import apply_lora
+
+            model = apply_lora(model, tcfg.lora)
+        model.train()
+        if self.cfg.cluster.backend == "nccl" and torch.cuda.is_available():
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+            if tcfg.engine == "torch":
+                model = model.to(dev)
+        self.model, self.tokenizer = model, tokenizer
         n_params = sum(p.numel() for p in model.parameters())
-        return {"params": n_params, "world_size": self.world, "engine": self.cfg.trainer.engine}
-
-    def _make_optimizer(self, lr: float) -> None:
-        assert self.model is not None
-        tcfg = self.cfg.trainer
-        opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.99))
-        if tcfg.engine == "deepspeed":
-            from infra.train.ds import wrap_deepspeed
-
-            self.engine, self.optimizer = wrap_deepspeed(self.model, opt, tcfg, self.world)
-        else:
-            self.optimizer = opt
-
-    # ---------------------------------------------------------------------------- gradients
-    def _allreduce_and_step(self, grad_clip: float) -> float:
-        """Average gradients over ranks (one flat all-reduce), clip, step. Returns the grad norm."""
-        assert self.model is not None and self.optimizer is not None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.world > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat)
-            flat /= self.world
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self.engine is not None:
-            self.engine.backward(loss)
-        else:
-            loss.backward()
-
-    def _optimizer_step(self) -> float:
-        if self.engine is not None:
-            self.engine.step()
-            norm = self.engine.get_global_grad_norm()
-            return float(norm) if norm is not None else 0.0
-        return self._allreduce_and_step(self.cfg.trainer.grad_clip)
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.engine = create_engine(model, tcfg, self.world, self.rank)
+        return {"params": n_params, "trainable_params": n_train, "world_size": self.world, "engine": tcfg.engine,
+                "zero_stage": tcfg.zero_stage if tcfg.engine == "deepspeed" else None}
 
     # ------------------------------------------------------------------------------ warmstart
     def op_warmstart(self) -> dict[str, Any]:
         """Supervised warm start on generated solutions, data-parallel over the ranks."""
-        from infra.train.sft import sft_loss, sft_batches
+        from infra.train.sft import sft_batches, sft_loss
 
         wcfg = self.cfg.warmstart
-        assert self.model is not None and self.optimizer is not None
         if wcfg.steps == 0:
             return {"steps": 0}
         started = time.perf_counter()
@@ -147,53 +131,130 @@ class Trainer:
         batches = sft_batches(self.tokenizer, self.cfg.env, self.cfg.env.seed, wcfg.steps, wcfg.batch_size,
                               self.rank, self.world)
         for i, batch in enumerate(batches, start=1):
-            for group in self.optimizer.param_groups:
-                group["lr"] = wcfg.lr * min(1.0, i / warm)
-            loss = sft_loss(self.model, batch)
-            self._backward(loss)
-            self._optimizer_step()
+            self.engine.set_lr(wcfg.lr * min(1.0, i / warm))
+            with self.engine.autocast():
+                loss = sft_loss(self.engine.module, batch)
+            self.engine.backward(loss)
+            self.engine.step()
             losses.append(float(loss))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.trainer.lr
+        self.engine.set_lr(self.cfg.trainer.lr)
         # fresh optimizer state for RL: SFT moments would bias the first RL updates
-        self.optimizer.state.clear()
+        self.engine.reset_optimizer()
         if self.ref_model is not None:
-            self.ref_model.load_state_dict(self.model.state_dict())
+            full = self.engine.full_params()
+            obj = [full]
+            dist.broadcast_object_list(obj, src=0) if self.world > 1 else None
+            self.ref_model.load_state_dict(obj[0], strict=False)
         return {"steps": len(losses), "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
                 "seconds": time.perf_counter() - started}
 
     # --------------------------------------------------------------------------------- publish
-    def op_publish(self) -> dict[str, Any]:
-        """Publish the current weights as the next version (rank 0 writes; others wait)."""
-        result: dict[str, Any] = {}
-        if self.rank == 0:
-            result = self._publish()
-        return result
+    def _publishable(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the tensors to publish (rank 0), bf16; adapters only with LoRA."""
+        full = self.engine.full_params()
+        if full is None:
+            return None
+        lcfg = self.cfg.trainer.lora
+        if lcfg.enabled:
+            from infra.train.lora import publishable_adapter_state
 
-    def _publish(self) -> dict[str, Any]:
-        from infra.model import publishable_state
+            return publishable_adapter_state(full, lcfg.alpha / lcfg.rank)
+        return {n: t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().clone() for n, t in full.items()}
+
+    def _publish_next(self) -> dict[str, Any]:
+        """Collective: make the current weights version ``weights_version + 1``.
+
+        If that version is already committed (a replay after a restart), it is not written again: the
+        replayed weights are bit-identical to the ones published before the failure."""
         from infra.weightsync import VersionPublisher
 
-        assert self.model is not None
-        ws = self.cfg.weight_sync
-        if self.publisher is None:
-            self.publisher = VersionPublisher(
-                self.store, run_key(self.run_id, None, "weights"), keyframe_every=ws.keyframe_every,
-                codec=ws.codec, zstd_level=ws.zstd_level, threads=ws.threads,
-            )
-        info = self.publisher.publish(publishable_state(self.model))
+        target = self.weights_version + 1
+        exists = [False]
+        if self.rank == 0:
+            if self.publisher is None:  # continues after the newest committed version in the store
+                ws = self.cfg.weight_sync
+                self.publisher = VersionPublisher(
+                    self.store, run_key(self.run_id, None, "weights"), keyframe_every=ws.keyframe_every,
+                    codec=ws.codec, zstd_level=ws.zstd_level, threads=ws.threads,
+                )
+            exists[0] = target <= self.publisher.version
+        if self.world > 1:
+            dist.broadcast_object_list(exists, src=0)
+        self.weights_version = target
+        if exists[0]:
+            return {"version": target, "kind": "existing", "bytes_written": 0, "raw_bytes": 0, "seconds": 0.0,
+                    "changed_fraction": None}
+        tensors = self._publishable()
+        if self.rank != 0:
+            return {}
+        assert tensors is not None and self.publisher is not None
+        if self.publisher.version != target - 1:
+            raise RuntimeError(f"publisher is at version {self.publisher.version}, cannot publish {target}")
+        info = self.publisher.publish(tensors)
         out = {k: getattr(info, k) for k in ("version", "kind", "bytes_written", "raw_bytes", "seconds")}
         out["changed_fraction"] = getattr(info, "changed_fraction", None)
         return out
 
+    def op_publish(self) -> dict[str, Any]:
+        """Publish the current weights as the next version (rank 0 writes; others take part in gathers)."""
+        return self._publish_next()
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def op_checkpoint(self, step: int) -> dict[str, Any]:
+        """Save the full trainer state as the checkpoint of ``step`` (collective; committed by rank 0)."""
+        from infra.train import checkpoint
+
+        tcfg = self.cfg.trainer
+        meta = {"weights_version": self.weights_version, "engine": tcfg.engine, "zero_stage": tcfg.zero_stage,
+                "lora": tcfg.lora.enabled, "config_hash": self.cfg.config_hash()}
+        manifest = checkpoint.save(self.store, self.run_id, step, self.engine, meta, self.rank, self.world,
+                                   tcfg.keep_checkpoints)
+        if self.rank != 0:
+            return {}
+        return {"step": step, "seconds": manifest["seconds"], "bytes": sum(manifest["keys"].values())}
+
+    def op_restore(self, step: int | None = None) -> dict[str, Any]:
+        """Load checkpoint ``step`` (None: the newest committed). ``{"step": None}`` if there is none."""
+        from infra.train import checkpoint
+
+        box: list[Any] = [step]
+        if step is None and self.rank == 0:
+            steps = checkpoint.committed_steps(self.store, self.run_id)
+            box[0] = steps[-1] if steps else None
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return {"step": None}
+        manifest = checkpoint.restore(self.store, self.run_id, int(box[0]), self.engine, self.rank, self.world)
+        self.step = int(manifest["step"])
+        self.weights_version = int(manifest["weights_version"])
+        self.publisher = None  # rebuilt from the store on the next publish
+        return {"step": self.step, "weights_version": self.weights_version}
+
     # ------------------------------------------------------------------------------ train step
+    def _maybe_fault(self, step: int) -> None:
+        spec = os.environ.get("DELTALOOP_TRAINER_FAULT")
+        if not spec:
+            return
+        kv = dict(item.split("=", 1) for item in spec.split(","))
+        if int(kv.get("step", -1)) != step or int(kv.get("rank", 0)) != self.rank:
+            return
+        marker = run_key(self.run_id, None, "faults", f"trainer-step-{step}-rank-{self.rank}.json")
+        if self.store.exists(marker):
+            return
+        put_json(self.store, marker, {"killed": time.time()})
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def op_train_step(self, step: int, rollouts_key: str, scores_key: str) -> dict[str, Any]:
-        """One GRPO update from a scored rollout batch, then publish the new version."""
-        from infra.train.grpo import build_batch, grpo_loss, group_advantages
+        """One GRPO update from a scored rollout batch, publish the new version, checkpoint every K."""
+        from infra.train.grpo import build_batch, group_advantages, grpo_loss
 
         done_key = run_key(self.run_id, step, "train.json")
         if step <= self.step:
             return get_json(self.store, done_key) if self.rank == 0 else {}
+        if step != self.step + 1:
+            raise StepOrderError(f"trainer is at step {self.step}; steps {self.step + 1}..{step - 1} "
+                                 f"must be trained (replayed) before step {step}")
         t0 = time.perf_counter()
         rollouts = get_json(self.store, rollouts_key)
         scores = get_json(self.store, scores_key)
@@ -209,7 +270,6 @@ class Trainer:
         metrics_acc: dict[str, float] = {}
         n_micro = 0
         norm = 0.0
-        assert self.model is not None
         for _epoch in range(tcfg.inner_epochs):
             for start in range(0, len(idx), tcfg.micro_batch):
                 chunk = idx[start : start + tcfg.micro_batch]
@@ -219,16 +279,18 @@ class Trainer:
                     [samples[i] for i in chunk],
                     adv[chunk],
                 )
-                loss, m = grpo_loss(
-                    self.model, batch, clip_eps=tcfg.clip_eps, kl_coef=tcfg.kl_coef,
-                    ref_model=self.ref_model, total_tokens=total_tokens / self.world,
-                    temperature=self.cfg.rollout.temperature,
-                )
-                self._backward(loss)
+                with self.engine.autocast():
+                    loss, m = grpo_loss(
+                        self.engine.module, batch, clip_eps=tcfg.clip_eps, kl_coef=tcfg.kl_coef,
+                        ref_model=self.ref_model, total_tokens=total_tokens / self.world,
+                        temperature=self.cfg.rollout.temperature,
+                    )
+                self.engine.backward(loss)
+                self._maybe_fault(step)
                 for k, v in m.items():
                     metrics_acc[k] = metrics_acc.get(k, 0.0) + float(v)
                 n_micro += 1
-            norm = self._optimizer_step()
+            norm = self.engine.step()
         local = torch.tensor([metrics_acc.get(k, 0.0) / max(1, n_micro) for k in sorted(metrics_acc)])
         if self.world > 1 and local.numel():
             dist.all_reduce(local)
@@ -236,34 +298,54 @@ class Trainer:
         metrics = dict(zip(sorted(metrics_acc), local.tolist()))
         train_seconds = time.perf_counter() - t0
         self.step = step
+        publish = self._publish_next()
         result: dict[str, Any] = {}
         if self.rank == 0:
-            tokens = sum(len(s["token_ids"]) for s in samples)
-            result = {
-                "step": step,
-                "metrics": {**metrics, "grad_norm": norm, "train_seconds": train_seconds,
-                            "train_tokens_per_s": tokens * tcfg.inner_epochs / max(train_seconds, 1e-9),
-                            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0},
-                "publish": self._publish(),
-            }
-            put_json(self.store, done_key, result)
+            if self.store.exists(done_key):  # replayed after a restart: the first record stands
+                result = get_json(self.store, done_key)
+            else:
+                tokens = sum(len(s["token_ids"]) for s in samples)
+                result = {
+                    "step": step,
+                    "metrics": {**metrics, "grad_norm": norm, "train_seconds": train_seconds,
+                                "train_tokens_per_s": tokens * tcfg.inner_epochs / max(train_seconds, 1e-9),
+                                "reward_mean": float(rewards.mean()),
+                                "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0},
+                    "publish": publish,
+                }
+                put_json(self.store, done_key, result)  # before the checkpoint: a restored step has its record
+        if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
+            ckpt = self.op_checkpoint(step)
+            if self.rank == 0:
+                result = {**result, "checkpoint": ckpt}
+                result["metrics"] = {**result.get("metrics", {}), "checkpoint_seconds": ckpt["seconds"]}
         return result
 
     # ---------------------------------------------------------------------------------- export
     def op_export(self, path: str) -> dict[str, Any]:
-        """Save the current policy as a Hugging Face safetensors folder (rank 0)."""
-        from infra.model import save_hf
-
+        """Save the current policy (fp32, adapters merged) as a Hugging Face safetensors folder (rank 0)."""
+        full = self.engine.full_params()
         if self.rank == 0:
-            assert self.model is not None
-            save_hf(self.model, self.tokenizer, path)
+            assert full is not None and self.model is not None
+            model: Any = self.model
+            lcfg = self.cfg.trainer.lora
+            if lcfg.enabled:
+                from infra.train.lora import merged_state
+
+                full = merged_state(full, lcfg.alpha / lcfg.rank)
+                model = self.model.get_base_model()  # type: ignore[operator]
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(str(out), state_dict={k: v.contiguous() for k, v in full.items()},
+                                  safe_serialization=True)
+            self.tokenizer.save_pretrained(str(out))
         return {"path": path, "step": self.step}
 
     def op_ping(self) -> dict[str, Any]:
         """Health probe: every rank answers through a collective."""
         t = torch.ones(1)
         dist.all_reduce(t)
-        return {"ranks": int(t.item()), "step": self.step}
+        return {"ranks": int(t.item()), "step": self.step, "weights_version": self.weights_version}
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd.pop("op")
