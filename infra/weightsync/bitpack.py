@@ -20,6 +20,11 @@ _HDR = struct.Struct("<BQQ")  # k, number of unary bits, number of positions
 
 def _best_k(gaps: np.ndarray) -> int:
     """Rice parameter minimising the exact coded size."""
+    return _best(gaps)[0]
+
+
+def _best(gaps: np.ndarray) -> tuple[int, int]:
+    """(k, bits) of the Rice parameter minimising the coded size."""
     mean = float(gaps.mean()) if len(gaps) else 0.0
     k0 = max(0, int(np.log2(mean * 0.69 + 1.0)))
     best_k, best_bits = 0, None
@@ -27,7 +32,17 @@ def _best_k(gaps: np.ndarray) -> int:
         bits = len(gaps) * (k + 1) + int((gaps >> k).sum())
         if best_bits is None or bits < best_bits:
             best_k, best_bits = k, bits
-    return best_k
+    return best_k, int(best_bits or 0)
+
+
+def positions_size(idx: np.ndarray) -> int:
+    """Exact length in bytes of :func:`encode_positions` ``(idx)``, without building it."""
+    if len(idx) == 0:
+        return _HDR.size
+    gaps = np.diff(idx, prepend=-1) - 1
+    k, _bits = _best(gaps)
+    ubits = len(gaps) + int((gaps >> k).sum())
+    return _HDR.size + (ubits + 7) // 8 + fixed_len(len(gaps), k)
 
 
 def pack_fixed(values: np.ndarray, k: int) -> bytes:

@@ -29,7 +29,7 @@ from typing import Literal
 import numpy as np
 import zstandard
 
-from infra.weightsync.bitpack import decode_positions, encode_positions
+from infra.weightsync.bitpack import decode_positions, encode_positions, positions_size
 from infra.weightsync.rawbytes import word_dtype
 
 CodecName = Literal["auto", "xor", "sparse"]
@@ -161,20 +161,24 @@ def _encode_positions_ctx(old: np.ndarray, idx: np.ndarray, base: np.ndarray, ma
     conditions the position code on the base (the unconditional entropy is not the floor: on real
     AdamW deltas this saves ~20% of position bits). Used only when smaller than the plain code.
     """
-    plain = bytes([_POS_PLAIN]) + encode_positions(idx)
+    def plain() -> bytes:
+        return bytes([_POS_PLAIN]) + encode_positions(idx)
+
     if len(idx) < 64:
-        return plain
+        return plain()
     keys = _key(base)
     big = keys[mag >= 4]
     if len(big) < 0.02 * len(idx):
-        return plain
+        return plain()
     w = old.dtype.itemsize
     t = int(np.percentile(big, 90)) + 1
+    if np.count_nonzero(keys < t) < 0.1 * len(idx):  # too few hot changes to pay for the extra pass
+        return plain()
     thr = (t << (8 * w - 9)) if w > 1 else t
     mask = old.dtype.type(_magnitude_mask(w))
     hot_words = np.flatnonzero((old & mask) < thr)
     if len(hot_words) == 0 or len(hot_words) > len(old) // 4:
-        return plain
+        return plain()
     hot = (base & mask) < thr
     ranks = np.searchsorted(hot_words, idx[hot])
     comp = 2 * len(ranks) > len(hot_words)
@@ -183,11 +187,12 @@ def _encode_positions_ctx(old: np.ndarray, idx: np.ndarray, base: np.ndarray, ma
         keep[ranks] = False
         ranks = np.flatnonzero(keep)
     normal = idx[~hot]
-    split = b"".join((
-        bytes([_POS_SPLIT]), _SPLIT_HDR.pack(thr, comp), encode_positions(ranks),
-        encode_positions(normal - np.searchsorted(hot_words, normal)),
+    normal_ranks = normal - np.searchsorted(hot_words, normal)
+    if positions_size(ranks) + positions_size(normal_ranks) + _SPLIT_HDR.size >= positions_size(idx):
+        return plain()
+    return b"".join((
+        bytes([_POS_SPLIT]), _SPLIT_HDR.pack(thr, comp), encode_positions(ranks), encode_positions(normal_ranks)
     ))
-    return split if len(split) < len(plain) else plain
 
 
 def _decode_positions_ctx(body: memoryview, buf: np.ndarray) -> tuple[np.ndarray, int]:
