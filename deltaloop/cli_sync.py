@@ -12,9 +12,12 @@ fetch wrote downloads only the deltas since.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from infra.storage import ObjectStore
 
 sync_app = typer.Typer(help="Publish/fetch safetensors checkpoints as versioned keyframes + deltas.",
                        no_args_is_help=True)
@@ -25,7 +28,7 @@ _ENDPOINT = typer.Option(None, "--endpoint-url", help="S3 endpoint URL (MinIO, m
 _THREADS = typer.Option(2, "--threads", min=1, max=256, help="Encode/decode threads.")
 
 
-def _open(store: str, endpoint_url: Optional[str]):  # noqa: ANN202
+def _open(store: str, endpoint_url: Optional[str]) -> "ObjectStore":
     from infra.storage import open_store
 
     return open_store(store, endpoint_url=endpoint_url)

@@ -193,7 +193,19 @@ class VersionPublisher:
         self._base = new_base
         return info
 
-    def _publish(self, version, names, tensors, words, sig, base, is_key, files, meta, t0):  # noqa: ANN001, ANN202
+    def _publish(
+        self,
+        version: int,
+        names: list[str],
+        tensors: dict[str, "torch.Tensor"],
+        words: dict[str, np.ndarray],
+        sig: list[tuple[str, str, tuple[int, ...]]],
+        base: dict[str, np.ndarray] | None,
+        is_key: bool,
+        files: dict[str, bytes] | None,
+        meta: dict[str, Any] | None,
+        t0: float,
+    ) -> tuple[PublishInfo, dict[str, np.ndarray]]:
         vdir = version_dir(self.prefix, version)
         pending: deque[Future] = deque()
         written = 0

@@ -31,7 +31,7 @@ import time
 from collections import defaultdict, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -333,7 +333,12 @@ class VersionReader:
                               version=v, tensor=first)
         return data
 
-    def _schedule(self, steps, ranges: list[_Range], decode) -> None:  # noqa: ANN001
+    def _schedule(
+        self,
+        steps: list[tuple[int, str, Manifest]],
+        ranges: list[_Range],
+        decode: Callable[[int, int, int, memoryview], None],
+    ) -> None:
         """Download ranges (bounded bytes in flight) and decode each once earlier steps are applied."""
         queue = deque(ranges)
         left_in_step = [0] * len(steps)
