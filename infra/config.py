@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -493,7 +494,9 @@ class SandboxConfig(_Strict):
 class TrackingConfig(_Strict):
     """MLflow tracking and registry."""
 
-    uri: str = Field("", description="MLflow tracking URI (default: sqlite under <run_root>).")
+    uri: str = Field(
+        "", description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite under <run_root>)."
+    )
     experiment: str = Field("deltaloop", description="MLflow experiment name.")
     registered_model: str = Field("deltaloop-policy", description="Registry name for promotions.")
 
@@ -594,6 +597,8 @@ class RunConfig(_Strict):
         """MLflow tracking URI: the configured one or sqlite under ``run_root``."""
         if self.tracking.uri:
             return self.tracking.uri
+        if os.environ.get("MLFLOW_TRACKING_URI"):  # e.g. set by `deltaloop serve` for its worker
+            return os.environ["MLFLOW_TRACKING_URI"]
         return "sqlite:///" + str((Path(self.run_root) / "mlflow.db").resolve())
 
 

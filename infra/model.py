@@ -108,6 +108,15 @@ def load_policy(model_cfg: "ModelConfig", seed: int = 0) -> tuple["PreTrainedMod
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True, dtype=dtype
         )
+        # transformers dequantises GGUF tensors to plain ``dtype`` weights but leaves the model marked
+        # "quantized", which forbids .float()/.to() and makes save_pretrained write a GGUF quantization
+        # config. The weights are ordinary dense tensors now: drop the marker.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model, "quantization_method"):
+            del model.quantization_method
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     elif model_cfg.type == "hf":
         assert model_cfg.path is not None
         tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
