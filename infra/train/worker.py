@@ -355,6 +355,16 @@ class Trainer:
         return fn(**cmd)
 
 
+def _group_broken(exc: BaseException) -> bool:
+    """True if ``exc`` means the process group itself failed (a peer died), not the command."""
+    kinds = tuple(k for k in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistBackendError", None)) if k)
+    if kinds and isinstance(exc, kinds):
+        return True
+    text = str(exc)
+    return any(m in text for m in ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
+                                   "Broken pipe", "NCCL communicator was aborted"))
+
+
 def main() -> None:
     """Rank entry point: join the group, then serve commands until ``shutdown``."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -396,6 +406,9 @@ def main() -> None:
         try:
             reply = trainer.handle(cmd)
         except Exception as exc:  # report to the flow; the rank keeps serving
+            if _group_broken(exc):  # a peer rank died: this group is over, let the flow restart it
+                traceback.print_exc()
+                os._exit(17)
             reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
                      "retryable": bool(getattr(exc, "retryable", False))}
         if conn is not None:
