@@ -7,6 +7,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
+from infra.ops.report import gate_report
 from infra.stages import promote as logic
 from infra.stages.context import Cluster, RunContext
 from tasks.common import TASK_DEFAULTS
@@ -16,12 +17,9 @@ from tasks.common import TASK_DEFAULTS
 def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int) -> dict[str, Any]:
     """Register the final policy with lineage; move the alias only if the eval gate passes."""
     out = logic.promote(ctx, cluster, final_eval_key, step, sandbox_image=_image(ctx))
-    d = out["decision"]
+    link = f"{ctx.cfg.resolved_tracking_uri()} run {ctx.tracker.run_id}"
     create_markdown_artifact(
-        f"## Promotion gate — {ctx.run_id}\n\n**{'PROMOTED' if out['promoted'] else 'REJECTED'}** "
-        f"model version {out['model_version']} (champion before: {out['champion_before'] or 'none'})\n\n"
-        f"- candidate score: {d['candidate_score']:.4f}\n- champion score: {d['champion_score']}\n"
-        f"- method: {d['method']}\n- reason: {d['reason']}\n",
+        gate_report(out["decision"], out["model_version"], out["champion_before"], link),
         key="promotion-gate", description="eval-gated promotion decision",
     )
     return out
