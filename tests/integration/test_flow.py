@@ -125,8 +125,7 @@ def test_flow_failure_tears_everything_down(harness: None, tmp_path: Path) -> No
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     with pytest.raises(Exception) as info:
-        rl_train(config="configs/demo.yaml",
-                 overrides=[*TINY, "trainer.steps=30", "trainer.max_restarts=0", f"run_root={root}"])
+        rl_train(config="configs/demo.yaml", overrides=[*TINY, "trainer.steps=30", f"run_root={root}"])
     stop.set()
     assert "rollout worker" in str(info.value).lower()
     assert not _wait_gone(root), "services survived a failed flow"
