@@ -355,18 +355,20 @@ def sample(logits: "torch.Tensor", rows: list[Any]) -> tuple[list[int], list[flo
             scaled = logits / t[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
         u = torch.tensor([r.uniforms[len(r.tokens)] for r in rows], dtype=logits.dtype, device=logits.device)
-        top_p = [r.params.top_p if not g else 1.0 for r, g in zip(rows, greedy)]
-        if any(p < 1.0 for p in top_p):
-            sorted_lp, order = logp.sort(dim=-1, descending=True)
+        # rows without nucleus filtering sample in vocabulary order, rows with it in sorted order;
+        # each row's path depends only on its own parameters, never on its batch mates
+        cdf = logp.exp().cumsum(-1)
+        nxt = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
+        nucleus = [k for k, (r, g) in enumerate(zip(rows, greedy)) if not g and r.params.top_p < 1.0]
+        if nucleus:
+            idx = torch.tensor(nucleus, device=logits.device)
+            sorted_lp, order = logp[idx].sort(dim=-1, descending=True)
             probs = sorted_lp.exp()
-            tp = torch.tensor([p if p < 1.0 else 2.0 for p in top_p], device=logits.device)
+            tp = torch.tensor([rows[k].params.top_p for k in nucleus], device=logits.device)
             probs = probs.masked_fill(probs.cumsum(-1) - probs > tp[:, None], 0.0)
-            cdf = probs.cumsum(-1)
-            idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_max(cdf.shape[-1] - 1)
-            nxt = order.gather(1, idx)[:, 0]
-        else:
-            cdf = logp.exp().cumsum(-1)
-            nxt = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)
+            c2 = probs.cumsum(-1)
+            pick = torch.searchsorted(c2, (u[idx] * c2[:, -1])[:, None], right=True).clamp_max(c2.shape[-1] - 1)
+            nxt[idx] = order.gather(1, pick)[:, 0]
         if any(greedy):
             nxt = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), nxt)
     lp = logp.gather(1, nxt[:, None])[:, 0]
