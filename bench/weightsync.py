@@ -209,8 +209,12 @@ def _tmp_root() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int) -> tuple[float, float]:
-    """Encode and decode GB/s (model bytes) of the production per-chunk path on ``threads`` threads."""
+def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int) -> tuple[float, float, float, float]:
+    """Encode and decode GB/s (model bytes) of the production per-chunk path on ``threads`` threads.
+
+    Returns wall-clock rates and rates per CPU-second of this process (the latter tell what one
+    core does when the machine is shared and the process keeps getting descheduled).
+    """
     from infra.weightsync.chunks import apply_frame, encode_chunk
     from infra.weightsync.publisher import chunk_bounds
 
@@ -224,13 +228,14 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int
     def enc(job: tuple[np.ndarray, np.ndarray]) -> Any:
         return encode_chunk(job[0], job[1], keyframe=False, codec="auto", level=1)
 
-    best_e = best_d = float("inf")
+    best_e = best_d = cpu_e = cpu_d = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         results: list[Any] = []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             results = list(pool.map(enc, jobs))
             best_e = min(best_e, time.perf_counter() - t0)
+            cpu_e = min(cpu_e, time.process_time() - c0)
         for _ in range(reps):
             bufs = [o.copy() for o, _n in jobs]  # the reader's current weights (patched in place)
 
@@ -238,11 +243,12 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int
                 if results[i].delta is not None:
                     apply_frame(results[i].delta, bufs[i], results[i].digest)
 
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             list(pool.map(dec, range(len(jobs))))
             best_d = min(best_d, time.perf_counter() - t0)
+            cpu_d = min(cpu_d, time.process_time() - c0)
             assert all(np.array_equal(b, n) for b, (_o, n) in zip(bufs, jobs))
-    return total / best_e / 1e9, total / best_d / 1e9
+    return total / best_e / 1e9, total / best_d / 1e9, total / cpu_e / 1e9, total / cpu_d / 1e9
 
 
 def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, bucket: str) -> dict[str, float]:
@@ -313,7 +319,7 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
     from bench.s3local import moto_server
     from bench.throttle_proxy import ThrottleProxy
 
-    console = Console()
+    console = Console(width=200)
     torch.set_num_threads(os.cpu_count() or 1)
     lrs = LRS[:1] if quick else LRS
     n_layers, steps, batch, seqlen, reps = (2, 2, 1, 16, 1) if quick else (None, 2, 2, 32, 3)
@@ -335,15 +341,16 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
             rec["ours_frames_fraction"] = frames / rec["full_bytes"]
             rec["ours_vs_reference"] = rec["ours_fraction"] / rec["reference_fraction"]
             rec["ours_vs_entropy"] = rec["ours_fraction"] / rec["entropy_fraction"]
-            rec["encode_gbps_1core"], rec["decode_gbps_1core"] = speed(before, after, 1, reps)
+            (rec["encode_gbps_1core"], rec["decode_gbps_1core"], rec["encode_gbps_per_cpu_second"],
+             rec["decode_gbps_per_cpu_second"]) = speed(before, after, 1, reps)
             cores = os.cpu_count() or 1
-            rec["encode_gbps_all"], rec["decode_gbps_all"] = speed(before, after, cores, reps)
+            rec["encode_gbps_all"], rec["decode_gbps_all"], _e, _d = speed(before, after, cores, reps)
             rec.update(end_to_end(before, after, proxy.url, f"wsbench-{i}"))
             rec["e2e_speedup"] = rec["e2e_full_seconds"] / rec["e2e_delta_seconds"]
             rec.update({
                 "params": nparams, "layers": cfg["layers"], "adamw_steps": steps, "batch": batch, "seqlen": seqlen,
                 "seconds_per_train_step": step_s, "link_mb_per_s": LINK_BYTES_PER_S / 1e6, "hardware": hw,
-                "quick": quick, "e2e_delta_mode": "fetch(inplace=True); e2e_delta_copy_seconds: default fetch",
+                "load_avg_1min": os.getloadavg()[0], "quick": quick, "e2e_delta_mode": "fetch(inplace=True); e2e_delta_copy_seconds: default fetch",
             })
             records.append(rec)
             console.print(f"lr {lr:g}: done ({time.perf_counter() - t0:.0f}s)")
