@@ -143,9 +143,10 @@ class SlotRunner:
     # ------------------------------------------------------------------ forward
     def _norm(self, x: "torch.Tensor", w: "torch.Tensor") -> "torch.Tensor":
         import torch
+        import torch.nn.functional as F
 
-        if x.dtype == torch.float32:
-            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        if x.dtype == torch.float32:  # one fused op; same arithmetic as the model's RMSNorm
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         h = x.float()
         return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
