@@ -85,7 +85,12 @@ class ModelConfig(_Strict):
 class WarmstartConfig(_Strict):
     """Short supervised phase on generated solutions so that RL starts from a non-zero reward."""
 
-    steps: int = Field(300, ge=0, le=100_000, description="SFT optimizer steps (0 disables).")
+    steps: int = Field(
+        100, ge=0, le=100_000,
+        description="SFT optimizer steps (0 disables). The demo stops early on purpose: after ~100 steps "
+        "the tiny model copies constants but often picks the wrong function family, which RL then fixes "
+        "(docs/learning.md).",
+    )
     batch_size: int = Field(64, ge=1, le=4096, description="Examples per SFT step.")
     lr: float = Field(3e-3, gt=0, le=1.0, description="SFT learning rate (AdamW).")
     target_accuracy: float | None = Field(
@@ -385,6 +390,10 @@ class RolloutConfig(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     threads: int = Field(1, ge=1, le=256, description="torch threads in the rollout worker.")
+    max_batch: int = Field(256, ge=1, le=65536, description="local: rows decoded together (continuous-batching slots).")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=0.98, description="vllm: fraction of GPU memory vLLM may take (the trainer shares the GPU)."
+    )
     start_timeout_s: float = Field(120.0, gt=0, le=3600, description="Max wait for the worker.")
 
 
