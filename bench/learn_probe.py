@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     group = args.group or tcfg.group_size
     temp = rcfg.temperature if args.temperature is None else args.temperature
     kl_coef = tcfg.kl_coef if args.kl is None else args.kl
+    inner_epochs = args.inner_epochs or tcfg.inner_epochs
     wcfg = WarmstartConfig(
         steps=wcfg.steps if args.sft_steps is None else args.sft_steps,
         batch_size=args.sft_batch or wcfg.batch_size,
@@ -118,16 +119,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.train()
         batch = build_batch(tok, prompts, comps, adv)
         total = float(batch["completion_mask"].sum())
-        opt.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
-        for i in range(0, len(comps), tcfg.micro_batch):
-            sl = {k: v[i : i + tcfg.micro_batch] for k, v in batch.items()}
-            loss, m = grpo_loss(model, sl, clip_eps=tcfg.clip_eps, kl_coef=kl_coef, ref_model=ref,
-                                total_tokens=total, temperature=temp if temp > 0 else 1.0)
-            loss.backward()
-            metrics = m
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-        opt.step()
+        for _epoch in range(inner_epochs):  # as the trainer: one optimizer step per pass
+            opt.zero_grad(set_to_none=True)
+            for i in range(0, len(comps), tcfg.micro_batch):
+                sl = {k: v[i : i + tcfg.micro_batch] for k, v in batch.items()}
+                loss, m = grpo_loss(model, sl, clip_eps=tcfg.clip_eps, kl_coef=kl_coef, ref_model=ref,
+                                    total_tokens=total, temperature=temp if temp > 0 else 1.0)
+                loss.backward()
+                metrics = m
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            opt.step()
         train_s += time.perf_counter() - t
         r = torch.tensor(rewards).view(-1, group)
         varied = float((r.std(dim=1) > 0).float().mean())
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"({timings['rl_s'] / max(steps, 1):.2f}s/step: rollout {timings['rollout_s_per_step']:.2f}s, "
           f"train {timings['train_s_per_step']:.2f}s), eval {timings['eval_s']:.1f}s")
     result = {
-        "args": vars(args), "lr": lr, "steps": steps, "temperature": temp, "kl_coef": kl_coef,
+        "args": vars(args), "lr": lr, "inner_epochs": inner_epochs, "steps": steps, "temperature": temp, "kl_coef": kl_coef,
         "sft": sft, "before": before, "after": after, "gain": gain, "curve": curve,
         "timings": timings, "history": history,
     }
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--kl", type=float, default=None)
+    ap.add_argument("--inner-epochs", type=int, default=None)
     ap.add_argument("--eval-n", type=int, default=400)
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=10)

@@ -1,18 +1,21 @@
 """funcfit: "write a Python expression in x from its values at x = 0..5".
 
-The RL demo environment. Each problem is a function from one of a few families
-(``a*x+b``, ``a*x*x+b``, ``x*x+a*x+b``, ``(x+a)*b``, ``x%a+b``) with constants drawn fresh; the
-prompt shows its values at x = 0..5 and the policy answers with an expression in ``x``. The verifier
-(run in a sandbox by the pipeline) calls ``f(x)`` on *hidden* points x = 6, 7, ... and the reward is
-the fraction that match — shown points are not tested, so copying them earns nothing.
+The RL demo environment. Each problem is a function from one of a few families (``x+b``, ``b-x``,
+``x*x+b``, ``a*x+b``, ``x%a+b``) with constants drawn fresh; the prompt shows its values at x = 0..5
+and the policy answers with an expression in ``x``. The verifier (run in a sandbox by the pipeline)
+calls ``f(x)`` on *hidden* points x = 6, 7, ... and the reward is the fraction that match — shown
+points are not tested, so copying them earns nothing.
 
-Why this shape: the space of functions (~2,300) is too large for a 1M-parameter model to memorise
-from a few thousand RL samples, the answer is checkable but not given, and a tiny character-level
-model warm-started on a few hundred supervised steps solves ~20-30% of it, which leaves room for RL.
+Why this shape: the space of functions (~2,100; ~600 held out) is too large for a 1M-parameter model
+to memorise from a few thousand RL samples, and the answer is checkable but not given. The constant
+``b`` is read off the prompt (``f(0)``), so a character model warm-started for ~100 supervised steps
+copies it well but often picks the wrong *family* (``x+136`` for ``136,135,134,...``): its greedy
+answer solves ~15% while one of 8 samples solves ~50% — a choice that RL sharpens from reward alone
+(measured: docs/learning.md). ``a*x+b`` needs ``a = f(1)-f(0)`` and stays the hardest family.
 
 Train/eval split: a function is in the eval split iff a hash of its shown values falls in the
-bottom ``EVAL_FRACTION`` (so equal functions of different families share a split); train batches reject eval functions, so the splits are
-disjoint by construction and independent of seeds. ``score_locally`` evaluates model output with
+bottom ``EVAL_FRACTION`` (so equal functions of different families share a split); train batches
+reject eval functions, so the splits are disjoint by construction and independent of seeds. ``score_locally`` evaluates model output with
 ``eval`` and exists ONLY for unit tests and ``bench/learn_probe.py``; the pipeline must score
 through :func:`to_verify_request` and the sandbox pool.
 """
@@ -23,20 +26,34 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # the sandbox package is imported lazily at call time
     from infra.sandbox import VerifyRequest
 
 SHOWN_X: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 HIDDEN_X_START = 6
-EVAL_FRACTION = 0.2
-A_RANGE = (1, 19)  # coefficient / offset a, inclusive
-B_RANGE = (0, 29)  # constant b, inclusive
-MOD_RANGE = (2, 5)  # modulus for x%a+b (a >= 6 would look linear on the shown points)
-PRODUCT_B_RANGE = (2, 19)  # multiplier b for (x+a)*b
+EVAL_FRACTION = 0.3
 
-FAMILIES: tuple[str, ...] = ("a*x+b", "a*x*x+b", "x*x+a*x+b", "(x+a)*b", "x%a+b")
+# family -> ((a_min, a_max), (b_min, b_max)), inclusive; a family without "a" has the range (0, 0).
+# The constants are mostly *read off* the prompt (b = f(0) for all but b-x, where b = f(0) too), so
+# the hard part is recognising the family from the shape of the values (step +1, step -1, squares,
+# period, step a) — a discrete choice a warm-started model gets partly right, and which RL sharpens.
+RANGES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "x+b": ((0, 0), (0, 299)),
+    "b-x": ((0, 0), (6, 305)),
+    "x*x+b": ((0, 0), (0, 299)),
+    "a*x+b": ((2, 9), (1, 99)),
+    "x%a+b": ((2, 5), (0, 99)),  # a >= 6 would look linear on the shown points
+}
+FAMILIES: tuple[str, ...] = tuple(RANGES)
+_FUNCS: dict[str, Callable[[int, int, int], int]] = {
+    "x+b": lambda a, b, x: x + b,
+    "b-x": lambda a, b, x: b - x,
+    "x*x+b": lambda a, b, x: x * x + b,
+    "a*x+b": lambda a, b, x: a * x + b,
+    "x%a+b": lambda a, b, x: x % a + b,
+}
 
 _EXPR_CHARS = re.compile(r"^[0-9x+\-*%() ]+$")
 
@@ -60,17 +77,9 @@ def _solution(family: str, a: int, b: int) -> str:
 
 
 def _value(family: str, a: int, b: int, x: int) -> int:
-    if family == "a*x+b":
-        return a * x + b
-    if family == "a*x*x+b":
-        return a * x * x + b
-    if family == "x*x+a*x+b":
-        return x * x + a * x + b
-    if family == "(x+a)*b":
-        return (x + a) * b
-    if family == "x%a+b":
-        return x % a + b
-    raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if family not in _FUNCS:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    return _FUNCS[family](a, b, x)
 
 
 def format_prompt(values: list[int]) -> str:
@@ -96,11 +105,8 @@ def make_problem(family: str, a: int, b: int, hidden_tests: int = 6) -> Problem:
 
 
 def _constants(family: str, rng: random.Random) -> tuple[int, int]:
-    if family == "x%a+b":
-        return rng.randint(*MOD_RANGE), rng.randint(*B_RANGE)
-    if family == "(x+a)*b":
-        return rng.randint(*A_RANGE), rng.randint(*PRODUCT_B_RANGE)
-    return rng.randint(*A_RANGE), rng.randint(*B_RANGE)
+    (a_lo, a_hi), (b_lo, b_hi) = RANGES[family]
+    return rng.randint(a_lo, a_hi), rng.randint(b_lo, b_hi)
 
 
 def is_eval(family: str, a: int, b: int) -> bool:
@@ -116,14 +122,8 @@ def is_eval(family: str, a: int, b: int) -> bool:
 def all_functions() -> list[tuple[str, int, int]]:
     """Every (family, a, b) in the space, in a fixed order."""
     out: list[tuple[str, int, int]] = []
-    for fam in FAMILIES:
-        if fam == "x%a+b":
-            a_r, b_r = MOD_RANGE, B_RANGE
-        elif fam == "(x+a)*b":
-            a_r, b_r = A_RANGE, PRODUCT_B_RANGE
-        else:
-            a_r, b_r = A_RANGE, B_RANGE
-        out += [(fam, a, b) for a in range(a_r[0], a_r[1] + 1) for b in range(b_r[0], b_r[1] + 1)]
+    for fam, ((a_lo, a_hi), (b_lo, b_hi)) in RANGES.items():
+        out += [(fam, a, b) for a in range(a_lo, a_hi + 1) for b in range(b_lo, b_hi + 1)]
     return out
 
 
@@ -144,7 +144,7 @@ def train_batch(seed: int, step: int, n: int, hidden_tests: int = 6) -> list[Pro
 def eval_set(seed: int, n: int, hidden_tests: int = 6) -> list[Problem]:
     """``n`` held-out problems, deterministic in ``seed``.
 
-    Distinct functions while the eval split lasts (~470 functions), then it cycles through them
+    Distinct functions while each family's eval split lasts (~85-230 functions a family, ~600 in all), then it cycles through them
     again in a new order; families are drawn uniformly like the train split.
     """
     pool = [f for f in all_functions() if is_eval(*f)]

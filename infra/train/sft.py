@@ -2,7 +2,7 @@
 
 A randomly initialised policy earns reward 0 on every sample, so GRPO's group advantages are all
 zero and nothing is learned. A few hundred SFT steps on (prompt, reference solution) pairs bring it
-to a partial success rate (the demo targets ~20-30%), where groups of samples disagree and RL has
+to a partial success rate (the demo stops at ~15-25%, docs/learning.md), where groups of samples disagree and RL has
 a signal — and room to improve. Loss is next-token cross-entropy on the target tokens only; fp32
 AdamW with a short linear warm-up. Each step draws fresh examples from the *train* split.
 """

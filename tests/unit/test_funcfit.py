@@ -18,6 +18,14 @@ def test_splits_are_disjoint() -> None:
     train = {p.prompt for s in range(50) for p in ff.train_batch(0, s, 64)}
     assert len(evals) >= 250 and not evals & train
     assert {p.family for p in ff.eval_set(0, 300)} == set(ff.FAMILIES)
+    assert len({p.prompt for p in ff.eval_set(0, 400)}) == 400  # a 400-problem eval has no repeats
+
+
+def test_function_space_is_large() -> None:
+    fns = ff.all_functions()
+    held_out = [f for f in fns if ff.is_eval(*f)]
+    assert len(fns) - len(held_out) >= 1000 and len(held_out) >= 300
+    assert len({tuple(ff._value(*f, x) for x in ff.SHOWN_X) for f in fns}) == len(fns)  # no aliases
 
 
 
@@ -62,7 +70,7 @@ def test_verify_request_shape() -> None:
         from infra.sandbox import TestCase, VerifyRequest  # noqa: F401
     except ImportError:
         pytest.skip("infra.sandbox not available yet")
-    p = ff.make_problem("(x+a)*b", 2, 3)
-    req = ff.to_verify_request(p, "(x+2)*3\n")
-    assert req.entry == "f" and "return (x+2)*3" in req.program
+    p = ff.make_problem("a*x+b", 2, 3)
+    req = ff.to_verify_request(p, "2*x+3\n")
+    assert req.entry == "f" and "return 2*x+3" in req.program
     assert [(t.args, t.expected) for t in req.tests] == [([x], y) for x, y in p.hidden]
