@@ -168,6 +168,7 @@ class Trainer:
         replayed weights are bit-identical to the ones published before the failure."""
         from infra.weightsync import VersionPublisher
 
+        t0 = time.perf_counter()
         target = self.weights_version + 1
         exists = [False]
         if self.rank == 0:
@@ -191,7 +192,9 @@ class Trainer:
         if self.publisher.version != target - 1:
             raise RuntimeError(f"publisher is at version {self.publisher.version}, cannot publish {target}")
         info = self.publisher.publish(tensors)
-        out = {k: getattr(info, k) for k in ("version", "kind", "bytes_written", "raw_bytes", "seconds")}
+        out = {k: getattr(info, k) for k in ("version", "kind", "bytes_written", "raw_bytes")}
+        out["encode_seconds"] = info.seconds
+        out["seconds"] = time.perf_counter() - t0  # gather + cast + encode + upload
         out["changed_fraction"] = getattr(info, "changed_fraction", None)
         return out
 
@@ -296,8 +299,8 @@ class Trainer:
             dist.all_reduce(local)
             local /= self.world
         metrics = dict(zip(sorted(metrics_acc), local.tolist()))
-        train_seconds = time.perf_counter() - t0
         self.step = step
+        train_seconds = time.perf_counter() - t0
         publish = self._publish_next()
         result: dict[str, Any] = {}
         if self.rank == 0:

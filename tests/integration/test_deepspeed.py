@@ -110,3 +110,23 @@ def test_zero3_offload_bf16_trains(tmp_path: Path) -> None:
     g = got["result"]["metrics"]["grad_norm"]
     assert g > 0 and g == g  # finite, non-zero
     assert got["restored"]["step"] == 1
+
+
+@pytest.mark.parametrize("engine", [["trainer.engine=torch"], ["trainer.engine=deepspeed", "trainer.zero_stage=2"]],
+                         ids=["torch", "zero2"])
+def test_lora_publishes_adapters_only(engine: list[str], tmp_path: Path) -> None:
+    """With LoRA, versions hold only the adapter factors; the export is a plain merged model."""
+    from infra.storage import open_store
+    from infra.train.lora import is_adapter_state
+    from infra.weightsync import VersionReader
+
+    got = _train_one(tmp_path, [*engine, "trainer.lora.enabled=true", "trainer.lora.rank=4"])
+    assert got["init"]["trainable_params"] < got["init"]["params"] / 5
+    assert got["result"]["metrics"]["grad_norm"] > 0
+    store = open_store(f"file://{tmp_path}/store")
+    v1, _ = VersionReader(store, "runs/engine-test/weights").fetch(1)
+    v2, _ = VersionReader(store, "runs/engine-test/weights").fetch(2)
+    assert is_adapter_state(v2) and set(v1) == set(v2)
+    assert any(not (v1[k] == v2[k]).all() for k in v2)  # the adapters trained
+    assert not any("lora" in k for k in got["after"])  # export merged the adapters into plain weights
+    assert set(got["after"]) == set(got["again"])
