@@ -140,13 +140,23 @@ class Trainer:
         self.engine.set_lr(self.cfg.trainer.lr)
         # fresh optimizer state for RL: SFT moments would bias the first RL updates
         self.engine.reset_optimizer()
-        if self.ref_model is not None:
-            full = self.engine.full_params()
-            obj = [full]
-            dist.broadcast_object_list(obj, src=0) if self.world > 1 else None
-            self.ref_model.load_state_dict(obj[0], strict=False)
+        if self.ref_model is not None:  # the KL reference is the warm-started policy
+            box = [self._hf_state()]
+            if self.world > 1:
+                dist.broadcast_object_list(box, src=0)
+            self.ref_model.load_state_dict(box[0])
         return {"steps": len(losses), "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
                 "seconds": time.perf_counter() - started}
+
+    def _hf_state(self) -> dict[str, torch.Tensor] | None:
+        """Collective: full fp32 weights under Hugging Face names (LoRA merged) on rank 0."""
+        full = self.engine.full_params()
+        lcfg = self.cfg.trainer.lora
+        if full is not None and lcfg.enabled:
+            from infra.train.lora import merged_state
+
+            full = merged_state(full, lcfg.alpha / lcfg.rank)
+        return full
 
     # --------------------------------------------------------------------------------- publish
     def _publishable(self) -> dict[str, torch.Tensor] | None:
@@ -327,15 +337,11 @@ class Trainer:
     # ---------------------------------------------------------------------------------- export
     def op_export(self, path: str) -> dict[str, Any]:
         """Save the current policy (fp32, adapters merged) as a Hugging Face safetensors folder (rank 0)."""
-        full = self.engine.full_params()
+        full = self._hf_state()
         if self.rank == 0:
             assert full is not None and self.model is not None
             model: Any = self.model
-            lcfg = self.cfg.trainer.lora
-            if lcfg.enabled:
-                from infra.train.lora import merged_state
-
-                full = merged_state(full, lcfg.alpha / lcfg.rank)
+            if self.cfg.trainer.lora.enabled:
                 model = self.model.get_base_model()  # type: ignore[operator]
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
