@@ -66,8 +66,12 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(self._rid(), params=items[i : i + 100])
 
-    def log_metrics(self, metrics: dict[str, float | int | None], step: int) -> None:
-        """Log numeric metrics at ``step`` (None values are skipped)."""
+    def log_metrics(self, metrics: dict[str, float | int | None], step: int, synchronous: bool = True) -> None:
+        """Log numeric metrics at ``step`` (None values are skipped).
+
+        ``synchronous=False`` queues the write on MLflow's background logger so the RL loop does
+        not wait on the tracking store; :meth:`end` flushes the queue.
+        """
         import time
 
         from mlflow.entities import Metric
@@ -75,7 +79,7 @@ class Tracker:
         ts = int(time.time() * 1000)
         items = [Metric(k, float(v), ts, step) for k, v in metrics.items() if isinstance(v, (int, float)) and v == v]
         if items:
-            self.client.log_batch(self._rid(), metrics=items)
+            self.client.log_batch(self._rid(), metrics=items, synchronous=synchronous)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Set run tags."""
@@ -109,6 +113,9 @@ class Tracker:
     def end(self, status: str = "FINISHED") -> None:
         """Close the run with ``status`` (FINISHED, FAILED, KILLED)."""
         if self.run_id is not None:
+            import mlflow
+
+            mlflow.flush_async_logging()
             self.client.set_terminated(self.run_id, status=status)
 
     def artifact_uri(self) -> str:

@@ -72,7 +72,7 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
     m = train.get("metrics", {})
     pub = train.get("publish", {})
     stage_seconds = (roll.get("seconds", 0.0) + score.get("score_seconds", 0.0) + m.get("train_seconds", 0.0)
-                     + pub.get("seconds", 0.0) + sync.get("seconds", 0.0))
+                     + m.get("checkpoint_seconds", 0.0) + pub.get("seconds", 0.0) + sync.get("seconds", 0.0))
     row = {
         "kind": "step", "step": step, "version": pub.get("version"),
         "reward_mean": score.get("reward_mean", 0.0), "reward_std": score.get("reward_std", 0.0),
@@ -91,7 +91,8 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
     }
     ctx.history.append(row)
     pool = {f"sandbox_{k}": v for k, v in (score.get("sandbox") or {}).items()}
-    ctx.tracker.log_metrics({**{k: v for k, v in row.items() if k not in ("kind", "step")}, **pool}, step=step)
+    ctx.tracker.log_metrics({**{k: v for k, v in row.items() if k not in ("kind", "step")}, **pool}, step=step,
+                            synchronous=False)
     ctx.report(
         f"step {step:>3}/{ctx.cfg.trainer.steps}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
         f"solved {row['solved_fraction']:.2f}  kl {row['kl'] or 0:.4f}  v{row['version']} "
