@@ -59,6 +59,13 @@ def provision(ctx: RunContext) -> Cluster:
         cluster.rollout.wait_ready()
         ctx.report(f"rollout worker at {cluster.rollout.url}; sandbox pool ({cfg.sandbox.runtime}) warm")
         info: dict[str, Any] = {"trainer": cluster.trainer.call("init")}
+        health = cluster.trainer.health
+        if health is not None:
+            info["health"] = {"allreduce_latency_ms": health.allreduce_latency_ms,
+                              "allreduce_bandwidth_gbps": health.allreduce_bandwidth_gbps,
+                              "hosts": sorted({r.hostname for r in health.ranks})}
+            ctx.report(f"health check passed: {health.world_size} rank(s) on {', '.join(info['health']['hosts'])}, "
+                       f"all-reduce {health.allreduce_latency_ms:.2f} ms, {health.allreduce_bandwidth_gbps:.2f} GB/s")
         ctx.report(f"trainer up: {cfg.cluster.ranks} rank(s), {cfg.trainer.engine} engine, "
                    f"{info['trainer']['params']:,} parameters")
         first_version, pub = start_trainer_state(ctx, cluster.trainer, info)

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra.cluster import create_provider
 from infra.cluster.base import GroupHandle
 from infra.config import RunConfig
 from infra.rpc import RpcClient, ServiceDied
@@ -67,6 +66,8 @@ class TrainerService:
         self._handle: GroupHandle | None = None
         self._client: RpcClient | None = None
         self._logs: list[str] = []
+        self._provider: Any = None
+        self.health: Any = None  # infra.cluster.health.HealthReport once checked
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -89,7 +90,13 @@ class TrainerService:
             "DELTALOOP_PARENT_PID": str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
         }
-        provider = create_provider(self.cfg.cluster)
+        if self._provider is None:
+            # health checks run once, before the first launch: a failing or slow node is named
+            # (and replaced where the provider has spares) before any training time is spent
+            from infra.cluster.health import provision as provision_group
+
+            self._provider, self.health = provision_group(self.cfg.cluster, str(self.run_dir / "logs"))
+        provider = self._provider
         started = time.time()
         self._handle = provider.launch("infra.train.worker", ["--spec", str(spec_path)], env, str(self.run_dir / "logs"))
         self._logs = list(getattr(self._handle, "logs", []))
