@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from infra.config import RunConfig
+from infra.lifeline import exit_with_parent
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
 
 
@@ -150,20 +150,6 @@ def build_app(worker: RolloutWorker, model_name: str = "policy") -> Any:
     return app
 
 
-def _watch_parent(pid: int) -> None:
-    def loop() -> None:
-        while True:
-            time.sleep(1.0)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(3)
-            except PermissionError:
-                pass
-
-    threading.Thread(target=loop, daemon=True).start()
-
-
 def main() -> None:
     """Process entry point."""
     import uvicorn
@@ -174,8 +160,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
     spec = json.loads(Path(args.spec).read_text())
-    if os.environ.get("DELTALOOP_PARENT_PID"):
-        _watch_parent(int(os.environ["DELTALOOP_PARENT_PID"]))
+    exit_with_parent()
     cfg = RunConfig.model_validate(spec["config"])
     worker = RolloutWorker(cfg, spec)
     uvicorn.run(build_app(worker, spec.get("model_name") or "policy"), host=args.host, port=args.port, log_level="warning")

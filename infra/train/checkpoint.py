@@ -20,7 +20,6 @@ store, so restoring ``step`` and replaying later steps from their stored rollout
 from __future__ import annotations
 
 import io
-import json
 import random
 import tempfile
 import time

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import signal
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from infra.config import RunConfig
+from infra.lifeline import exit_with_parent
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
 
 
@@ -40,22 +40,6 @@ class StepOrderError(RuntimeError):
     """``train_step`` was asked for a step beyond the next one (earlier steps must be replayed first)."""
 
     retryable = False
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit this rank when the flow process that started the group is gone (no orphans)."""
-
-    def loop() -> None:
-        while True:
-            time.sleep(1.0)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os._exit(3)
-            except PermissionError:
-                pass
-
-    threading.Thread(target=loop, daemon=True, name="parent-watch").start()
 
 
 class Trainer:
@@ -382,8 +366,7 @@ def main() -> None:
     spec = json.loads(Path(args.spec).read_text())
     cfg = RunConfig.model_validate(spec["config"])
     torch.set_num_threads(cfg.cluster.threads_per_rank)
-    if os.environ.get("DELTALOOP_PARENT_PID"):
-        _watch_parent(int(os.environ["DELTALOOP_PARENT_PID"]))
+    exit_with_parent()
     dist.init_process_group(backend=cfg.cluster.backend)
     store = open_store(spec["store_uri"], spec.get("endpoint_url"), spec.get("region"))
     trainer = Trainer(cfg, spec, store)

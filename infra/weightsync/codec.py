@@ -122,7 +122,6 @@ def _value_order(base: np.ndarray) -> np.ndarray:
     AdamW deltas. Bits (8w-2)..(8w-9) are the exponent of bf16/fp32/fp64 (fp16: exponent + 3
     mantissa bits); 1-byte words use their low 7 bits.
     """
-    w = base.dtype.itemsize
     return np.argsort(_key(base).astype(np.uint8), kind="stable")
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
-from infra.weightsync.errors import IncompatibleTensors, WeightSyncError
+from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
     ChunkEntry,
@@ -41,7 +41,7 @@ from infra.weightsync.layout import (
     tensor_digest,
     version_dir,
 )
-from infra.weightsync.rawbytes import dtype_name, tensor_words, word_width
+from infra.weightsync.rawbytes import dtype_name, tensor_words
 
 if TYPE_CHECKING:
     import torch
