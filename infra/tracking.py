@@ -41,6 +41,7 @@ class Tracker:
             exp_id = exp.experiment_id
         self.experiment_id = exp_id
         self.run_id: str | None = None
+        self._pending: list[Any] = []  # RunOperations of asynchronous metric writes
 
     def start(self, run_name: str, tags: dict[str, str] | None = None) -> str:
         """Create the MLflow run; returns its id."""
@@ -79,7 +80,9 @@ class Tracker:
         ts = int(time.time() * 1000)
         items = [Metric(k, float(v), ts, step) for k, v in metrics.items() if isinstance(v, (int, float)) and v == v]
         if items:
-            self.client.log_batch(self._rid(), metrics=items, synchronous=synchronous)
+            ops = self.client.log_batch(self._rid(), metrics=items, synchronous=synchronous)
+            if ops is not None:
+                self._pending.append(ops)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         """Set run tags."""
@@ -112,11 +115,15 @@ class Tracker:
 
     def end(self, status: str = "FINISHED") -> None:
         """Close the run with ``status`` (FINISHED, FAILED, KILLED)."""
+        self.flush()
         if self.run_id is not None:
-            import mlflow
-
-            mlflow.flush_async_logging()
             self.client.set_terminated(self.run_id, status=status)
+
+    def flush(self) -> None:
+        """Wait until every queued asynchronous write reached the tracking store."""
+        pending, self._pending = self._pending, []
+        for ops in pending:
+            ops.wait()
 
     def artifact_uri(self) -> str:
         """Root artifact URI of the run."""
