@@ -18,11 +18,12 @@ The ``async`` object comes from ``flows.async_compare.compare(quick)`` when that
 
 from __future__ import annotations
 
+from bench.machine import cpu_model, load_avg
+
 import hashlib
 import importlib
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -40,16 +41,8 @@ def hardware() -> dict[str, Any]:
     """What this ran on."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "load_avg_1m": os.getloadavg()[0]}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "load_avg_1m": load_avg()}
 
 
 def demo_model(quick: bool) -> tuple[Any, Any, list[str]]:

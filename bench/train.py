@@ -18,9 +18,10 @@ Every record has ``ranks``, ``zero_stage`` (0 for the torch engine), ``tokens_pe
 
 from __future__ import annotations
 
+from bench.machine import cpu_model, load_avg
+
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -122,17 +123,10 @@ def flow_overhead(quick: bool, tmp: Path) -> dict[str, Any]:
 
 def hardware() -> str:
     """One line describing this machine."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, gloo on CPU"
+    cpu = cpu_model()
+    return f"{cpu}, {os.cpu_count()} cores, load avg {load_avg():.1f}, torch {torch.__version__}, gloo on CPU"
 
 
 def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:

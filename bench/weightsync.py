@@ -20,6 +20,8 @@ What is measured, per learning rate (1e-6, 3e-6, 1e-5):
 
 from __future__ import annotations
 
+from bench.machine import cpu_model, load_avg
+
 import json
 import math
 import os
@@ -297,15 +299,9 @@ def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, buc
 
 
 def hardware() -> str:
-    model = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    """One line describing this machine and how busy it was."""
+    model = cpu_model()
+    load = load_avg()
     return f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}, load avg {load:.1f}"
 
 
