@@ -14,6 +14,17 @@ import time
 PARENT_ENV = "DELTALOOP_PARENT_PID"
 
 
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists (also when it belongs to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def exit_with_parent(pid: int | None = None, poll_s: float = 1.0, code: int = 3) -> None:
     """Start the watcher for ``pid`` (default: ``$DELTALOOP_PARENT_PID``; no-op when unset)."""
     if pid is None:
@@ -23,13 +34,8 @@ def exit_with_parent(pid: int | None = None, poll_s: float = 1.0, code: int = 3)
         pid = int(raw)
 
     def loop() -> None:
-        while True:
+        while pid_alive(pid):
             time.sleep(poll_s)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os._exit(code)
-            except PermissionError:  # alive, owned by another user
-                pass
+        os._exit(code)
 
     threading.Thread(target=loop, daemon=True, name="parent-watch").start()

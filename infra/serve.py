@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from infra.lifeline import pid_alive
+
 POOL = "deltaloop-process"
 MLFLOW_UI_ENV = "DELTALOOP_MLFLOW_UI_URL"
 
@@ -104,12 +106,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:  # a zombie is dead for our purposes
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:

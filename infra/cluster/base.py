@@ -40,6 +40,15 @@ class ClusterProvider(Protocol):
         """Start the ranks; logs go to ``log_dir``. Returns immediately."""
 
 
+def group_exit_code(codes: list[int | None]) -> int | None:
+    """Exit status of a group from its members' ``poll()`` codes: the first failure at once, 0 when
+    every member succeeded, None while any still runs (and none failed)."""
+    bad = [c for c in codes if c not in (None, 0)]
+    if bad:
+        return bad[0]
+    return 0 if codes and all(c == 0 for c in codes) else None
+
+
 @dataclass
 class PopenGroup:
     """A group made of local child processes, each leading its own process group."""
@@ -49,13 +58,7 @@ class PopenGroup:
     logs: list[str] = field(default_factory=list)
 
     def poll(self) -> int | None:
-        codes = [p.poll() for p in self.procs]
-        bad = [c for c in codes if c not in (None, 0)]
-        if bad:
-            return bad[0]
-        if all(c == 0 for c in codes):
-            return 0
-        return None
+        return group_exit_code([p.poll() for p in self.procs])
 
     def terminate(self, timeout: float = 10.0) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -44,7 +44,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.cluster.base import ClusterError
+from infra.cluster.base import ClusterError, group_exit_code
 from infra.config import ClusterConfig, HostSpec, select_hosts
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -146,13 +146,7 @@ class HostsGroup:
     tunnels: list[subprocess.Popen] = field(default_factory=list)
 
     def poll(self) -> int | None:
-        codes = [n.proc.poll() for n in self.nodes]
-        bad = [c for c in codes if c not in (None, 0)]
-        if bad:
-            return bad[0]
-        if all(c == 0 for c in codes):
-            return 0
-        return None
+        return group_exit_code([n.proc.poll() for n in self.nodes])
 
     def tunnel(self, addr: str, port: int, timeout: float = 15.0) -> tuple[str, int]:
         """Forward a local loopback port to ``addr:port`` as seen from the rank-0 host (``ssh -L``).

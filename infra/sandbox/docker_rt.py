@@ -25,6 +25,7 @@ import uuid
 from typing import Any
 
 from infra.config import SandboxConfig
+from infra.lifeline import pid_alive
 from infra.sandbox.handle import RunnerHandle
 from infra.sandbox.protocol import runner_argv
 from infra.sandbox.types import SandboxError
@@ -181,7 +182,7 @@ class DockerRuntime:
                 for c in client.containers.list(all=True, filters={"label": LABEL}):
                     owner = c.labels.get(f"{LABEL}.owner", "")
                     host, _, pid = owner.rpartition(":")
-                    if host == me and pid.isdigit() and not _pid_alive(int(pid)):
+                    if host == me and pid.isdigit() and not pid_alive(int(pid)):
                         c.remove(force=True)
             except Exception:
                 continue
@@ -268,13 +269,3 @@ def _wrap_close(handle: RunnerHandle, runtime: DockerRuntime, url: str) -> None:
                 runtime.live[url] -= 1
 
     handle.close = close  # type: ignore[method-assign]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
