@@ -24,12 +24,17 @@ def _best_k(gaps: np.ndarray) -> int:
 
 
 def _best(gaps: np.ndarray) -> tuple[int, int]:
-    """(k, bits) of the Rice parameter minimising the coded size."""
-    mean = float(gaps.mean()) if len(gaps) else 0.0
-    k0 = max(0, int(np.log2(mean * 0.69 + 1.0)))
+    """(k, bits) of the Rice parameter minimising the coded size.
+
+    Tries k0-2..k0+2 around k0 = floor(log2(0.69 * mean + 1)), all in exact integer arithmetic
+    (the mean is one correctly rounded division) so the numba kernels pick the same k bit for bit.
+    """
+    m = len(gaps)
+    total = int(gaps.sum()) if m else 0
+    k0 = int((total / m if m else 0.0) * 0.69 + 1.0).bit_length() - 1
     best_k, best_bits = 0, None
     for k in range(max(0, k0 - 2), min(62, k0 + 3)):
-        bits = len(gaps) * (k + 1) + int((gaps >> k).sum())
+        bits = m * (k + 1) + int((gaps >> k).sum())
         if best_bits is None or bits < best_bits:
             best_k, best_bits = k, bits
     return best_k, int(best_bits or 0)
@@ -93,6 +98,8 @@ def decode_positions(buf: memoryview, limit: int) -> tuple[np.ndarray, int]:
 
     Raises ValueError when the stream is inconsistent or a position is ``>= limit``.
     """
+    if len(buf) < _HDR.size:
+        raise ValueError("position stream truncated")
     k, ubits, n = _HDR.unpack_from(buf, 0)
     off = _HDR.size
     if n == 0:

@@ -1,0 +1,107 @@
+"""The numba kernels and their numpy twins write and read the same sparse frames, byte for byte."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from infra.weightsync import codec, kernels
+
+needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+
+
+@pytest.fixture
+def restore_impl() -> Iterator[None]:
+    prev = kernels.implementation()
+    yield
+    kernels.set_implementation(prev)
+
+
+def _case(rng: np.random.Generator, trial: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random words of every width; every third case has a rare "tiny magnitude" class that
+    changes almost surely (what makes the encoder split positions by the base's magnitude)."""
+    dt = [np.uint8, np.uint16, np.uint32, np.uint64][trial % 4]
+    w = np.dtype(dt).itemsize
+    n = int(rng.integers(1, 20000))
+    old = rng.integers(0, 1 << min(63, 8 * w), n, dtype=np.uint64).astype(dt)
+    changed = rng.random(n) < rng.choice([0.001, 0.01, 0.1, 0.5, 0.95])
+    step = rng.choice(np.array([1, (1 << 8 * w) - 1], np.uint64), n).astype(dt)  # +-1 ulp moves
+    if trial % 3:
+        step = rng.integers(1, 20, n).astype(dt)
+    new = old.copy()
+    new[changed] += step[changed]
+    if trial % 3 == 0:
+        tiny = rng.random(n) < rng.choice([0.002, 0.05])
+        old[tiny] &= dt((1 << max(1, 8 * w - 5)) - 1)
+        new[tiny] = old[tiny]
+        moved = tiny & (rng.random(n) < 0.9)
+        new[moved] += rng.integers(4, 100, n).astype(dt)[moved]
+    return old, new
+
+
+def _frame(impl: str, old: np.ndarray, new: np.ndarray) -> bytes | None:
+    kernels.set_implementation(impl)
+    return codec.encode_delta(old, new, "sparse")[0]
+
+
+def _decode(impl: str, frame: bytes, old: np.ndarray) -> tuple[str, bytes]:
+    kernels.set_implementation(impl)
+    buf = old.copy()
+    try:
+        codec.decode_into(frame, buf)
+    except ValueError:
+        return "error", b""
+    return "ok", buf.tobytes()
+
+
+@needs_numba
+def test_twins_write_identical_frames_and_decode_them(restore_impl: None) -> None:
+    rng = np.random.default_rng(7)
+    split = 0
+    for trial in range(240):
+        old, new = _case(rng, trial)
+        a, b = _frame("numpy", old, new), _frame("numba", old, new)
+        assert a == b, f"trial {trial}: frames differ"
+        if a is None:
+            continue
+        split += a[codec._HDR.size] == 1
+        for impl in ("numpy", "numba"):
+            assert _decode(impl, a, old) == ("ok", new.tobytes()), (trial, impl)
+    assert split > 10  # the magnitude-split position code was exercised
+
+
+@needs_numba
+def test_twins_agree_on_corrupt_and_truncated_frames(restore_impl: None) -> None:
+    rng = np.random.default_rng(11)
+    for trial in range(120):
+        old, new = _case(rng, trial)
+        frame = _frame("numpy", old, new)
+        if frame is None:
+            continue
+        for _ in range(4):
+            bad = bytearray(frame)
+            j = int(rng.integers(codec._HDR.size, len(bad)))
+            bad[j] ^= 1 << int(rng.integers(0, 8))
+            assert _decode("numpy", bytes(bad), old) == _decode("numba", bytes(bad), old), trial
+            assert _decode("numpy", frame[:j], old)[0] == "error"
+            assert _decode("numba", frame[:j], old)[0] == "error"
+
+
+@needs_numba
+def test_changed_positions_twins(restore_impl: None) -> None:
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        old, new = _case(rng, trial)
+        got = {}
+        for impl in ("numpy", "numba"):
+            kernels.set_implementation(impl)
+            got[impl] = codec.changed_positions(old, new)
+        assert np.array_equal(got["numpy"], got["numba"])
+        assert np.array_equal(got["numba"], np.flatnonzero(old != new))
+
+
+def test_set_implementation_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="known: numba, numpy"):
+        kernels.set_implementation("cython")
