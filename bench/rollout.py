@@ -9,6 +9,9 @@ hits both alike; one torch thread (the rollout worker's default ``rollout.thread
 override with ``DELTALOOP_BENCH_THREADS``). Tokens/s counts generated tokens up to and including the stop token; HF keeps
 stepping finished rows until the longest is done, which is part of what is measured.
 
+Each record also has ``load_avg_1m`` (the 1-minute load average when it finished): on a shared
+machine a ratio measured at a high load is less trustworthy than one measured idle.
+
 ``logprob_max_abs_err``: the engine's per-token log-probs versus a teacher-forced forward pass of
 the same weights (:func:`infra.train.grpo.token_logprobs`, what the trainer computes).
 
@@ -66,7 +69,9 @@ def demo_model(quick: bool) -> tuple[Any, Any, list[str]]:
         warmstart(model, tok, WarmstartConfig(steps=steps, batch_size=32, lr=3e-3), env_seed=cfg.seed)
         cached.parent.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), cached)
-    prompts = [p.prompt for p in train_batch(cfg.seed, 1, 64)]
+    # 256 training prompts: every round of 32 draws new ones (64 made batch-32 rounds alternate
+    # between two groups)
+    prompts = [p.prompt for p in train_batch(cfg.seed, 1, 256)]
     return model.eval(), tok, prompts
 
 
@@ -150,7 +155,7 @@ def compare(name: str, model: Any, tok: Any, prompts: list[str], batch: int, rou
             "speedup": round(e_rate / max(h_rate, 1e-9), 2), "logprob_max_abs_err": err, "rounds": rounds,
             "max_new_tokens": max_new, "engine_tokens": e_tok, "hf_tokens": h_tok,
             "mean_len": round(sum(lengths) / max(len(lengths), 1), 1), "min_len": min(lengths, default=0),
-            "max_len": max(lengths, default=0), "continuous": engine.continuous}
+            "max_len": max(lengths, default=0), "continuous": engine.continuous, "load_avg_1m": load_avg()}
 
 
 def async_section(quick: bool) -> dict[str, Any]:
@@ -180,7 +185,9 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     records: list[dict[str, Any]] = []
     model, tok, prompts = demo_model(quick)
-    for batch, rounds in ((1, 4 if quick else 16), (32, 2 if quick else 6)):
+    # a demo round takes ~0.1 s: enough rounds that each side generates thousands of tokens (two
+    # rounds of ~200 tokens at batch 32 swung the ratio by +-20 % on a shared machine)
+    for batch, rounds in ((1, 24 if quick else 64), (32, 16 if quick else 48)):
         records.append(compare("demo", model, tok, prompts, batch, rounds, max_new=24))
     if not quick:  # SmolLM2 takes minutes on 2 cores (135M parameters, 49k vocabulary)
         model, tok, prompts = smollm2_model()

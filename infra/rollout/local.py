@@ -235,23 +235,24 @@ class LocalEngine:
         self._compact()
 
     def _compact(self) -> None:
-        """Drop finished rows from their slots, moving the last live slot into each hole."""
+        """Drop finished rows from their slots: live rows beyond the new end move into the holes
+        below it (one cache copy per moved row, all layers), so live slots stay packed at ``0..k-1``."""
         act = self._active
-        finished = False
-        for s in range(len(act) - 1, -1, -1):
-            if not act[s].done:
-                continue
-            finished = True
-            last = len(act) - 1
-            if s != last:
-                assert self._runner is not None
-                r = act[last]
-                self._runner.move(last, s, len(r.prompt_ids) + len(r.tokens))
-                act[s] = r
-            act.pop()
-        if finished:
-            with self._cv:
-                self._cv.notify_all()
+        live = [r for r in act if not r.done]
+        if len(live) == len(act):
+            return
+        k = len(live)
+        holes = [s for s in range(k) if act[s].done]
+        movers = [s for s in range(k, len(act)) if not act[s].done]
+        if movers:
+            assert self._runner is not None
+            length = max(len(act[s].prompt_ids) + len(act[s].tokens) for s in movers)
+            self._runner.move(movers, holes, length)
+            for h, m in zip(holes, movers):
+                act[h] = act[m]
+        del act[k:]
+        with self._cv:
+            self._cv.notify_all()
 
     # ------------------------------------------------------------------ sampling
     def _advance(self, logits: "torch.Tensor", rows: list[_Row]) -> None:
