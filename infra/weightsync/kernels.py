@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -752,21 +752,29 @@ def apply_values(buf: np.ndarray, idx: np.ndarray, planes: np.ndarray) -> None:
     _nb_apply(buf, idx, planes, w, sh, km, _full(w))
 
 
+_warm = False
+
+
 def warm_up() -> None:
-    """Compile (or load from the cache) every kernel for every word width, so no timed call pays it."""
-    if not HAVE_NUMBA:
+    """Compile (or load from the on-disk cache) every kernel signature the codec uses, once per
+    process, so that no publish or fetch pays it: every word width, writable and read-only inputs
+    (safetensors maps and ``np.frombuffer`` give read-only arrays)."""
+    global _warm
+    if _warm or not HAVE_NUMBA or _impl != "numba":
         return
+    from infra.weightsync import codec
+
     rng = np.random.default_rng(0)
     for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
         old = rng.integers(0, 1 << 8, 4096).astype(dt)
         new = old.copy()
         new[::3] += 1
-        idx = changed_positions(old, new)
-        planes, pos = sparse_parts(old, new, idx)
-        body = np.frombuffer(bytes(pos), np.uint8)
-        got, _used = decode_positions_ctx(body, old)
-        buf = old.copy()
-        apply_values(buf, got, planes)
-
-
-KernelFn = Callable[..., Any]
+        new[:80] = 0
+        for ro in (False, True):
+            o, n = old.copy(), new.copy()
+            o.flags.writeable = n.flags.writeable = not ro
+            frame, _idx = codec.encode_delta(o, n, "sparse")
+            if frame is not None:
+                codec.decode_into(frame, old.copy())
+                codec.decode_into(bytearray(frame), old.copy())
+    _warm = True

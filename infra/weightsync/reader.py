@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from infra.storage import ObjectNotFound
+from infra.weightsync import kernels
 from infra.weightsync.chunks import apply_frame
 from infra.weightsync.errors import (
     CorruptData,
@@ -88,6 +89,7 @@ class VersionReader:
         strict: bool = False,
         max_fallbacks: int = 3,
     ) -> None:
+        kernels.warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
         self.store, self.prefix = store, prefix.strip("/")
         self.threads, self.io_threads = max(1, threads), max(1, io_threads)
         self.range_bytes, self.budget_bytes = range_bytes, budget_bytes
