@@ -217,9 +217,11 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int
     Returns wall-clock rates and rates per CPU-second of this process (the latter tell what one
     core does when the machine is shared and the process keeps getting descheduled).
     """
+    from infra.weightsync import kernels
     from infra.weightsync.chunks import apply_frame, encode_chunk
     from infra.weightsync.publisher import chunk_bounds
 
+    kernels.warm_up()  # compile/load the numba kernels outside the timed loops
     jobs = []
     for k in after:
         o, n = _words(before[k]), _words(after[k])
@@ -298,6 +300,12 @@ def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, buc
     return out
 
 
+def _impl() -> str:
+    from infra.weightsync import kernels
+
+    return kernels.implementation()
+
+
 def hardware() -> str:
     """One line describing this machine and how busy it was."""
     model = cpu_model()
@@ -346,7 +354,7 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
             rec.update({
                 "params": nparams, "layers": cfg["layers"], "adamw_steps": steps, "batch": batch, "seqlen": seqlen,
                 "seconds_per_train_step": step_s, "link_mb_per_s": LINK_BYTES_PER_S / 1e6, "hardware": hw,
-                "load_avg_1min": os.getloadavg()[0], "quick": quick, "e2e_delta_mode": "fetch(inplace=True); e2e_delta_copy_seconds: default fetch",
+                "load_avg_1min": os.getloadavg()[0], "quick": quick, "codec_impl": _impl(), "e2e_delta_mode": "fetch(inplace=True); e2e_delta_copy_seconds: default fetch",
             })
             records.append(rec)
             console.print(f"lr {lr:g}: done ({time.perf_counter() - t0:.0f}s)")

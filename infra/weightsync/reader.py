@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_PREFETCH = ThreadPoolExecutor(2, "ws-manifest")  # shared by readers: early manifest reads
+
+
 @dataclass
 class _Range:
     step: int
@@ -126,6 +129,13 @@ class VersionReader:
             self._manifests[version] = man
         return man
 
+    def _try_manifest(self, version: int) -> None:
+        """Read and cache ``version``'s manifest if it exists (errors surface later, if it matters)."""
+        try:
+            self.manifest(version)
+        except WeightSyncError:
+            pass
+
     def files(self, version: int) -> dict[str, bytes]:
         """Side files (e.g. ``config.json``) stored with ``version``, verified by digest."""
         out: dict[str, bytes] = {}
@@ -156,7 +166,14 @@ class VersionReader:
         """
         t0 = time.perf_counter()
         self.last_errors = []
+        nxt = None
+        if have is not None and have_version is not None and (target is None or int(target) > have_version):
+            # the usual case is one version ahead: fetch its manifest during the listing (saves a
+            # round trip; a manifest is immutable once it exists, so the early read is safe)
+            nxt = _PREFETCH.submit(self._try_manifest, have_version + 1)
         committed, keyframes = self._scan()
+        if nxt is not None:
+            nxt.result()
         if not committed:
             raise VersionNotFound(f"no committed version under {self.store.uri}/{self.prefix}")
         explicit = target is not None
