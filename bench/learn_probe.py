@@ -23,7 +23,11 @@ def evaluate(engine: Any, problems: list, max_new_tokens: int) -> dict[str, floa
 
     texts = engine.greedy([p.prompt for p in problems], max_new_tokens)
     rewards = [score_locally(p, t) for p, t in zip(problems, texts)]
-    return {"reward": sum(rewards) / len(rewards), "solved": sum(r == 1.0 for r in rewards) / len(rewards)}
+    fams: dict[str, list[float]] = {}
+    for p, r in zip(problems, rewards):
+        fams.setdefault(p.family, []).append(r)
+    return {"reward": sum(rewards) / len(rewards), "solved": sum(r == 1.0 for r in rewards) / len(rewards),
+            "families": {f: round(sum(v) / len(v), 3) for f, v in fams.items()}}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed * 100_000 + step))
         roll_s += time.perf_counter() - t
         rewards = [score_locally(probs[c.prompt_index], c.text) for c in comps]
-        adv = group_advantages(rewards, group)
+        adv = group_advantages(rewards, group, norm=args.adv_norm)
         t = time.perf_counter()
         model.train()
         batch = build_batch(tok, prompts, comps, adv)
@@ -124,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             for i in range(0, len(comps), tcfg.micro_batch):
                 sl = {k: v[i : i + tcfg.micro_batch] for k, v in batch.items()}
-                loss, m = grpo_loss(model, sl, clip_eps=tcfg.clip_eps, kl_coef=kl_coef, ref_model=ref,
+                loss, m = grpo_loss(model, sl, clip_eps=tcfg.clip_eps, clip_eps_high=args.clip_high, kl_coef=kl_coef, ref_model=ref,
                                     total_tokens=total, temperature=temp if temp > 0 else 1.0)
                 loss.backward()
                 metrics = m
@@ -152,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     curve.append({"step": steps, **after})
     gain = after["reward"] - before["reward"]
     print(f"eval after RL:  reward {after['reward']:.3f} solved {after['solved']:.3f}  gain {gain:+.3f}")
+    print(f"per family before {before['families']}\n           after  {after['families']}")
     print(f"timings: SFT {timings['sft_s']:.1f}s, RL {timings['rl_s']:.1f}s for {steps} steps "
           f"({timings['rl_s'] / max(steps, 1):.2f}s/step: rollout {timings['rollout_s_per_step']:.2f}s, "
           f"train {timings['train_s_per_step']:.2f}s), eval {timings['eval_s']:.1f}s")
@@ -180,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", type=int, default=None)
     ap.add_argument("--temperature", type=float, default=None)
     ap.add_argument("--kl", type=float, default=None)
+    ap.add_argument("--clip-high", type=float, default=None, help="upper ratio clip (DAPO clip-higher)")
+    ap.add_argument("--adv-norm", choices=("std", "none"), default="std")
     ap.add_argument("--inner-epochs", type=int, default=None)
     ap.add_argument("--eval-n", type=int, default=400)
     ap.add_argument("--eval-every", type=int, default=0)

@@ -343,7 +343,17 @@ class TrainerConfig(_Strict):
     lr: float = Field(2e-4, gt=0, le=1.0, description="AdamW learning rate on fp32 master weights.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, le=1e6, description="Global gradient-norm clip.")
-    clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO/GRPO ratio clip epsilon.")
+    clip_eps: float = Field(0.2, gt=0, le=10.0, description="PPO/GRPO ratio clip epsilon (lower side, and upper unless clip_eps_high is set).")
+    clip_eps_high: float | None = Field(
+        None, gt=0, le=10.0,
+        description="Upper ratio clip (DAPO 'clip-higher', e.g. 0.28): lets unlikely tokens that earned reward "
+        "grow faster, which keeps exploring longer. None = clip_eps (symmetric).",
+    )
+    advantage_norm: Literal["std", "none"] = Field(
+        "std",
+        description="std: (r - group mean) / group std (GRPO); none: r - group mean (Dr. GRPO: groups with one "
+        "lucky success do not get a huge push).",
+    )
     kl_coef: float = Field(0.0, ge=0, le=100.0, description="KL penalty to the frozen reference (0 = off).")
     inner_epochs: int = Field(1, ge=1, le=16, description="Optimizer passes over each rollout batch.")
     micro_batch: int = Field(
@@ -457,6 +467,11 @@ class SandboxConfig(_Strict):
     max_warm: int = Field(8, ge=1, le=4096, description="Warm sandboxes kept at most.")
     max_jobs_per_sandbox: int = Field(200, ge=1, le=1_000_000, description="Recycle limit.")
     timeout_s: float = Field(2.0, gt=0, le=3600, description="Wall-clock limit per job.")
+    dedupe: bool = Field(
+        True,
+        description="Score identical completions of one batch once (same program and tests): RL groups repeat "
+        "themselves. Turn off for verifiers whose result is not a function of the program (time, randomness).",
+    )
     memory_mb: int = Field(256, ge=16, le=1_048_576, description="Memory limit per sandbox.")
     pids: int = Field(64, ge=4, le=65536, description="Process limit per sandbox.")
     cpus: float = Field(1.0, gt=0, le=256, description="CPU limit per sandbox.")

@@ -18,6 +18,8 @@ be started at all — raises :class:`~infra.sandbox.types.SandboxError` (retryab
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import threading
 import time
@@ -56,6 +58,12 @@ def _pct(values: "deque[float] | list[float]", q: float) -> float:
     data = sorted(values)
     k = min(len(data) - 1, max(0, int(round(q * (len(data) - 1)))))
     return data[k]
+
+
+def _request_key(req: VerifyRequest) -> str:
+    """Identity of a verify request: two requests with equal keys run the same job."""
+    tests = [[t.args, t.expected] for t in req.tests]
+    return json.dumps([req.program, req.entry, tests, req.timeout_s], sort_keys=True, default=repr)
 
 
 class SandboxPool:
@@ -139,10 +147,27 @@ class SandboxPool:
         self.close()
 
     # ------------------------------------------------------------------------------ jobs
-    def verify_many(self, reqs: list[VerifyRequest]) -> list[VerifyResult]:
-        """Score every request; one result per request, in order. Never raises for a job's failure."""
-        futures = [self._submit(self._verify_one, r) for r in reqs]
-        return [f.result() for f in futures]
+    def verify_many(self, reqs: list[VerifyRequest], dedupe: bool = False) -> list[VerifyResult]:
+        """Score every request; one result per request, in order. Never raises for a job's failure.
+
+        ``dedupe=True`` runs each distinct request (same program, entry, tests and timeout) once and
+        gives every copy its own copy of that result. RL batches repeat themselves — G samples of
+        one prompt from a sharpening policy are often the same text — so this saves most sandbox
+        jobs late in a run. Only for deterministic verifiers: a program whose result depends on
+        time or randomness is then judged by one run instead of one per copy."""
+        if not dedupe:
+            futures = [self._submit(self._verify_one, r) for r in reqs]
+            return [f.result() for f in futures]
+        first: dict[str, int] = {}
+        unique: list[VerifyRequest] = []
+        slot: list[int] = []
+        for r in reqs:
+            k = first.setdefault(_request_key(r), len(unique))
+            if k == len(unique):
+                unique.append(r)
+            slot.append(k)
+        results = self.verify_many(unique)
+        return [dataclasses.replace(results[k], passed=list(results[k].passed)) for k in slot]
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         """Score one request."""

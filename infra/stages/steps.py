@@ -50,7 +50,7 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     samples = rollouts["samples"]
     reqs = [to_verify_request(problems[s["prompt_index"]], s["text"], ctx.cfg.sandbox.timeout_s) for s in samples]
     t0 = time.perf_counter()
-    results = cluster.sandbox.verify_many(reqs)
+    results = cluster.sandbox.verify_many(reqs, dedupe=ctx.cfg.sandbox.dedupe)
     seconds = time.perf_counter() - t0
     rewards = [float(r.reward) for r in results]
     reasons: dict[str, int] = {}

@@ -24,8 +24,11 @@ if TYPE_CHECKING:
     from infra.rollout.engine import Completion
 
 
-def group_advantages(rewards: "torch.Tensor | list[float]", group_size: int, eps: float = 1e-4) -> "torch.Tensor":
-    """(r - group mean) / (group std + eps) for consecutive groups of ``group_size`` rewards.
+def group_advantages(
+    rewards: "torch.Tensor | list[float]", group_size: int, eps: float = 1e-4, norm: str = "std"
+) -> "torch.Tensor":
+    """(r - group mean) / (group std + eps) for consecutive groups of ``group_size`` rewards;
+    with ``norm="none"`` just r - group mean (Dr. GRPO).
 
     Groups whose rewards are all equal get advantage 0 (no signal, no gradient)."""
     import torch
@@ -33,8 +36,12 @@ def group_advantages(rewards: "torch.Tensor | list[float]", group_size: int, eps
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if r.numel() % group_size:
         raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
+    if norm not in ("std", "none"):
+        raise ValueError(f"advantage norm {norm!r}: expected 'std' or 'none'")
     g = r.view(-1, group_size)
-    adv = (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
+    adv = g - g.mean(dim=1, keepdim=True)
+    if norm == "std":
+        adv = adv / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
     return adv.flatten()
 
 
@@ -116,15 +123,18 @@ def grpo_loss(
     ref_model: "torch.nn.Module | None" = None,
     total_tokens: float | None = None,
     temperature: float = 1.0,
+    clip_eps_high: float | None = None,
 ) -> tuple["torch.Tensor", dict[str, float]]:
     """Clipped GRPO surrogate over this (micro-)batch, normalised by ``total_tokens``.
 
     ``total_tokens`` = completion tokens in the global batch (default: this batch's), so that
     summing gradients of all shards gives the global token mean. Metrics are for this shard:
     ``loss`` (its contribution), ``kl``, ``clip_frac``, ``ratio_mean``, ``entropy`` (token means),
-    ``tokens``."""
+    ``tokens``. ``clip_eps_high`` (default ``clip_eps``) is the upper clip of the ratio.
+    """
     import torch
 
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     dev = next(model.parameters()).device
     ids = batch["input_ids"].to(dev)
     attn = batch["attention_mask"].to(dev)
@@ -137,7 +147,7 @@ def grpo_loss(
     logp, ent = token_logprobs(model, ids, attn, temperature)
     log_ratio = (logp - old) * mask
     ratio = torch.exp(log_ratio)
-    surr = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    surr = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv)
     per_tok = -surr
     kl = torch.zeros_like(logp)
     if kl_coef > 0:
@@ -152,7 +162,7 @@ def grpo_loss(
 
     with torch.no_grad():
         m = max(n_tok, 1.0)
-        clipped = ((ratio - 1).abs() > clip_eps).float() * mask
+        clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).float() * mask
         metrics = {
             "loss": float(loss.item()),
             "kl": float((kl * mask).sum().item() / m),

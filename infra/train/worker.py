@@ -258,7 +258,7 @@ class Trainer:
         samples = rollouts["samples"]
         group = rollouts["group_size"]
         rewards = torch.tensor(scores["rewards"], dtype=torch.float32)
-        adv = group_advantages(rewards, group)
+        adv = group_advantages(rewards, group, norm=self.cfg.trainer.advantage_norm)
         prompts = rollouts["prompts"]
         # shard by group so each rank holds whole groups where possible
         idx = list(range(self.rank, len(samples), self.world))
@@ -278,8 +278,8 @@ class Trainer:
                 )
                 with self.engine.autocast():
                     loss, m = grpo_loss(
-                        self.engine.module, batch, clip_eps=tcfg.clip_eps, kl_coef=tcfg.kl_coef,
-                        ref_model=self.ref_model, total_tokens=total_tokens / self.world,
+                        self.engine.module, batch, clip_eps=tcfg.clip_eps, clip_eps_high=tcfg.clip_eps_high,
+                        kl_coef=tcfg.kl_coef, ref_model=self.ref_model, total_tokens=total_tokens / self.world,
                         temperature=self.cfg.rollout.temperature,
                     )
                 self.engine.backward(loss)

@@ -96,3 +96,23 @@ def test_bwrap_with_separate_rootfs_hides_the_host() -> None:
     with create_pool(cfg) as pool:
         res = pool.exec(f"import os\nprint(os.path.exists({str(Path.cwd())!r}), os.path.exists('/root/.pyenv'))\n")
     assert (res.reason, res.stdout_tail) == ("ok", "False False\n"), res
+
+
+def test_dedupe_runs_each_distinct_request_once() -> None:
+    """An RL batch repeats itself: with dedupe, copies share one sandbox job but get their own result."""
+    _need("bwrap")
+    cfg = SandboxConfig(runtime="bwrap", concurrency=2, min_warm=1, max_warm=2)
+    right = VerifyRequest("def f(x):\n    return x + 1\n", "f", [TestCase([1], 2), TestCase([2], 3)])
+    wrong = VerifyRequest("def f(x):\n    return x * 2\n", "f", [TestCase([1], 2), TestCase([2], 3)])
+    same_program_other_tests = VerifyRequest(right.program, "f", [TestCase([5], 7)])
+    reqs = [right, wrong, right, same_program_other_tests, wrong, right]
+    with create_pool(cfg) as pool:
+        pool.metrics(reset=True)
+        res = pool.verify_many(reqs, dedupe=True)
+        assert pool.metrics()["jobs"] == 3  # right, wrong, right-on-other-tests
+        plain = pool.verify_many(reqs)
+        assert pool.metrics()["jobs"] == 3 + len(reqs)
+        assert pool.verify_many([], dedupe=True) == []
+    assert [r.reward for r in res] == [1.0, 0.5, 1.0, 0.0, 0.5, 1.0] == [r.reward for r in plain]
+    res[0].passed[0] = False  # each copy is its own object
+    assert res[2].passed == [True, True]

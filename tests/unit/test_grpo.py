@@ -26,6 +26,22 @@ def test_group_advantages() -> None:
         group_advantages([1.0, 0.0, 1.0], 2)
 
 
+def test_group_advantages_without_std() -> None:
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], 4, norm="none")  # Dr. GRPO: mean-centred only
+    assert torch.allclose(adv, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    with pytest.raises(ValueError, match="advantage norm"):
+        group_advantages([1.0, 0.0], 2, norm="max")
+
+
+def test_clip_higher_clips_only_above_its_own_bound() -> None:
+    tok, model, comps = _setup()
+    batch = build_batch(tok, PROMPTS, comps, torch.ones(8))
+    batch["old_logprobs"] = batch["old_logprobs"] - 0.25 * batch["completion_mask"]  # ratio e^0.25 = 1.28
+    _, sym = grpo_loss(model, batch, clip_eps=0.2)
+    _, high = grpo_loss(model, batch, clip_eps=0.2, clip_eps_high=0.3)
+    assert sym["clip_frac"] == pytest.approx(1.0) and high["clip_frac"] == 0.0
+
+
 def _setup() -> tuple:
     tok = build_tokenizer()
     model = build_tiny_model(SMALL, tok, seed=0)
