@@ -421,40 +421,83 @@ if HAVE_NUMBA:
             o += 1
         return o
 
-    @_jit(inline="always")
-    def _nb_count_below(blk: Any, magmask: Any, thr: Any) -> int:  # pragma: no cover
-        c = 0
-        for i in range(blk.shape[0]):
-            c += (np.uint64(blk[i]) & magmask) < thr
-        return c
+    @_jit
+    def _nb_hot_swar(b64: Any, per: int, lmask: Any, high: Any, tb: Any, hot: Any, h: int) -> int:  # pragma: no cover
+        """Append to ``hot`` the lanes of ``b64`` (``per`` words per uint64) with magnitude below
+        the threshold; returns the new count.
+
+        SWAR: with ``lmask`` = the magnitude mask and ``high`` = the top bit in every lane, and
+        ``tb`` = the threshold (<= top bit) in every lane, ``((x & lmask) | high) - tb`` borrows
+        into no other lane and keeps a lane's top bit exactly when its magnitude >= threshold. 8
+        uint64 (64 bytes) are tested per branch; the rare groups with a hit are walked with
+        trailing-zero counts. ~3x the per-word test on words widened to 64 bits (memory speed).
+        """
+        lane_bits = 64 // per
+        m = b64.shape[0]
+        i = 0
+        while i + 16 <= m:
+            acc = _U0
+            for j in range(16):
+                acc |= ~(((b64[i + j] & lmask) | high) - tb)
+            if acc & high:
+                for a in range(i, i + 16):
+                    msk = ~(((b64[a] & lmask) | high) - tb) & high
+                    while msk != _U0:
+                        if h >= hot.shape[0]:
+                            return -1
+                        hot[h] = a * per + trailing_zeros(msk) // lane_bits
+                        h += 1
+                        msk &= msk - _U1
+            i += 16
+        for a in range(i, m):
+            msk = ~(((b64[a] & lmask) | high) - tb) & high
+            while msk != _U0:
+                if h >= hot.shape[0]:
+                    return -1
+                hot[h] = a * per + trailing_zeros(msk) // lane_bits
+                h += 1
+                msk &= msk - _U1
+        return h
 
     @_jit
     def _nb_hot_words(buf: Any, magmask: Any, thr: Any) -> Any:  # pragma: no cover
-        """Sorted positions of words with ``(word & magmask) < thr``.
+        """Sorted positions of words with ``(word & magmask) < thr`` (``magmask``, ``thr``: uint64).
 
-        Vectorised counts per 256-word block, then per 16-word sub-block, and a branch-free walk
-        only of sub-blocks that have any: the class is rare (~0.05% of words) but clustered.
+        The class is rare but clustered (~0.25% of words at lr 1e-6). ``magmask`` is always the
+        word's bits below its top bit, so the test runs SWAR on 8-byte groups (:func:`_nb_hot_swar`);
+        a threshold above every magnitude is clamped to ``magmask + 1`` (selects the same words).
         """
         n = buf.shape[0]
+        w = buf.itemsize
+        per = 8 // w
+        lane_bits = 8 * w
+        t = thr if thr <= magmask else magmask + _U1
+        lane_l = magmask
+        lane_h = magmask + _U1
+        lmask = _U0
+        high = _U0
+        tb = _U0
+        for j in range(per):
+            sh = np.uint64(j * lane_bits)
+            lmask |= lane_l << sh
+            high |= lane_h << sh
+            tb |= t << sh
         cap = 64 + n // 64
-        hot = np.empty(cap, np.int64)
-        h = 0
-        for s in range(0, n, 256):
-            blk = buf[s : s + 256]
-            c = _nb_count_below(blk, magmask, thr)
-            if c:
-                if h + c + 16 > cap:  # +16: the branch-free walk stores past the last hit
-                    cap = max(2 * cap, h + c + 16)
-                    grown = np.empty(cap, np.int64)
-                    grown[:h] = hot[:h]
-                    hot = grown
-                for u in range(0, blk.shape[0], 16):
-                    sub = blk[u : u + 16]
-                    if _nb_count_below(sub, magmask, thr):
-                        for i in range(sub.shape[0]):
-                            hot[h] = s + u + i
-                            h += (np.uint64(sub[i]) & magmask) < thr
-        return hot[:h]
+        while True:
+            hot = np.empty(cap, np.int64)
+            m4 = (n // per) * per
+            h = _nb_hot_swar(buf[:m4].view(np.uint64), per, lmask, high, tb, hot, 0)
+            if h >= 0:
+                for i in range(m4, n):
+                    if (np.uint64(buf[i]) & magmask) < t:
+                        if h >= cap:
+                            h = -1
+                            break
+                        hot[h] = i
+                        h += 1
+            if h >= 0:
+                return hot[:h]
+            cap = n + 8
 
     @_jit
     def _nb_positions(old: Any, idx: Any, base: Any, zz: Any, keys: Any, kshift: int, magmask: Any) -> Any:  # pragma: no cover

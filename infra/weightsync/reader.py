@@ -129,12 +129,28 @@ class VersionReader:
             self._manifests[version] = man
         return man
 
-    def _try_manifest(self, version: int) -> None:
-        """Read and cache ``version``'s manifest if it exists (errors surface later, if it matters)."""
+    def _next_version(self, have_version: int, probe_newer: bool) -> int | None:
+        """``have_version + 1`` if it is committed and (when ``probe_newer``) the newest; else None.
+
+        Reads its manifest (cached for the fetch) while, in parallel, a HEAD checks that the
+        manifest of ``have_version + 2`` does not exist. A publisher commits versions in order
+        (a version's manifest only after the previous one's), so then ``have_version + 1`` was
+        the newest committed version at that moment, as a listing would have said. Any doubt
+        (missing, unreadable, a newer version, a storage error) returns None: the caller lists.
+        """
+        nv = have_version + 1
+        newer = _PREFETCH.submit(self.store.exists, manifest_key(self.prefix, nv + 1)) if probe_newer else None
         try:
-            self.manifest(version)
+            self.manifest(nv)
+            ok = True
         except WeightSyncError:
-            pass
+            ok = False
+        try:
+            if newer is not None and newer.result():
+                ok = False
+        except Exception:  # storage error on the probe: fall back to listing
+            ok = False
+        return nv if ok else None
 
     def files(self, version: int) -> dict[str, bytes]:
         """Side files (e.g. ``config.json``) stored with ``version``, verified by digest."""
@@ -166,24 +182,35 @@ class VersionReader:
         """
         t0 = time.perf_counter()
         self.last_errors = []
-        nxt = None
-        if have is not None and have_version is not None and (target is None or int(target) > have_version):
-            # the usual case is one version ahead: fetch its manifest during the listing (saves a
-            # round trip; a manifest is immutable once it exists, so the early read is safe)
-            nxt = _PREFETCH.submit(self._try_manifest, have_version + 1)
+        tried_have = False
+        if have is not None and have_version is not None and (target is None or int(target) == have_version + 1):
+            # the usual case: one version ahead. No listing: read that manifest and, when no target
+            # was given, check that the next one does not exist (versions are committed in order,
+            # so then it is the newest), both at once: one round trip instead of list + manifest.
+            goal1 = self._next_version(have_version, probe_newer=target is None)
+            if goal1 is not None:
+                tried_have = True
+                try:
+                    self._chain(goal1, have_version, {goal1})
+                    out = self._run(goal1, None, [goal1], have, have_version, inplace)
+                except WeightSyncError as exc:
+                    if self.strict:
+                        raise
+                    log.warning("weight fetch path have -> %d failed: %s", goal1, exc)
+                    self.last_errors.append(exc)
+                else:
+                    self.last_stats["seconds"] = time.perf_counter() - t0
+                    self.last_stats["path"] = "have"
+                    return out, goal1
         committed, keyframes = self._scan()
-        if nxt is not None:
-            nxt.result()
-        if not committed:
-            raise VersionNotFound(f"no committed version under {self.store.uri}/{self.prefix}")
         explicit = target is not None
         goal = int(target) if explicit else committed[-1]
         if goal not in committed:
             raise VersionNotFound(f"not committed (newest is {committed[-1]})", version=goal)
         cset = set(committed)
         plans: list[tuple[int, int | None]] = []  # (target, keyframe or None = from have)
-        if have is not None and have_version is not None and have_version <= goal:
-            plans.append((goal, None))
+        if have is not None and have_version is not None and have_version <= goal and not tried_have:
+            plans.append((goal, None))  # (not again after the fast path failed: have may be patched)
         keys = sorted((k for k in keyframes if k <= goal), reverse=True)
         plans += [(goal, k) for k in keys[: self.max_fallbacks]]
         if not explicit:  # last resort: the newest intact keyframe itself

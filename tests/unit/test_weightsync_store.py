@@ -181,3 +181,60 @@ def test_concurrent_readers_and_writer(store: FileStore) -> None:
             t.join()
     assert not failures
     assert seen
+
+
+class _Counting(FileStore):
+    """A FileStore that counts listings."""
+
+    lists = 0
+
+    def list(self, prefix: str = "") -> list[str]:
+        type(self).lists += 1
+        return super().list(prefix)
+
+
+def test_one_version_behind_fetch_needs_no_listing(tmp_path: Path) -> None:
+    """The common rollout-worker case (one version behind) reads the next manifest and probes the
+    one after instead of listing; two behind, it lists and still gets the newest."""
+    store = _Counting(tmp_path / "s")
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10)
+    hist = []
+    for _ in range(4):
+        hist.append(d.bf16())
+        pub.publish(hist[-1])
+        d.step()
+    rd = VersionReader(store, PREFIX)
+    have, hv = rd.fetch(2)
+    _Counting.lists = 0
+    got, v = rd.fetch(have=have, have_version=hv)  # two behind: lists
+    assert v == 4 and same(got, hist[3]) and _Counting.lists == 1
+    have, hv = rd.fetch(3)
+    _Counting.lists = 0
+    got, v = rd.fetch(have=have, have_version=hv, inplace=True)  # one behind: no listing
+    assert v == 4 and same(got, hist[3]) and _Counting.lists == 0 and rd.last_stats["path"] == "have"
+    got, v = rd.fetch(4, have={k: t.clone() for k, t in hist[2].items()}, have_version=3)  # explicit target
+    assert v == 4 and same(got, hist[3]) and _Counting.lists == 0
+    got, v = rd.fetch(have=got, have_version=4)  # nothing newer: lists, returns 4 unchanged
+    assert v == 4 and same(got, hist[3]) and _Counting.lists == 1
+
+
+def test_one_behind_fast_path_failure_falls_back_to_keyframe(tmp_path: Path) -> None:
+    """A wrong base on the listing-free path is recorded and the reader recovers from the keyframe
+    (the caller's tensors, possibly patched, are not tried again)."""
+    store = FileStore(tmp_path / "s")
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10)
+    hist = []
+    for _ in range(3):
+        hist.append(d.bf16())
+        pub.publish(hist[-1])
+        d.step()
+    rd = VersionReader(store, PREFIX)
+    wrong = {k: t.clone() for k, t in hist[0].items()}  # claims to be version 2
+    got, v = rd.fetch(have=wrong, have_version=2, inplace=True)
+    assert v == 3 and same(got, hist[2]) and rd.last_stats["path"] == "keyframe 1"
+    assert len(rd.last_errors) == 1
+    with pytest.raises(Exception, match="version"):
+        VersionReader(store, PREFIX, strict=True).fetch(have={k: t.clone() for k, t in hist[0].items()},
+                                                         have_version=2)
