@@ -12,7 +12,8 @@ chunk's xxh3-128 digest is checked against that version's manifest. When a patch
 tensors fails that check, the caller's original chunk is hashed against version ``h`` to tell a
 wrong base (:class:`WrongBase`) from corrupt data (:class:`CorruptData`); chunks no delta touched
 are verified against the target at the end. A failure in one path (missing, truncated or
-corrupted object, wrong base) is recorded in ``last_errors`` and the next path is tried; with
+corrupted object, wrong base) is recorded in ``last_errors`` and the next path is tried (one version
+behind, path 1 runs before any listing: see :meth:`VersionReader._next_version`); with
 ``strict=True`` the first error is raised instead. When no path reaches the newest version and no explicit target was given, the
 newest intact keyframe is returned (its version is the second element of the result).
 
