@@ -25,6 +25,7 @@ def set_defaults() -> None:
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "MLFLOW_LOGGING_LEVEL": "WARNING",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # no tqdm bars between the progress lines
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

@@ -127,26 +127,42 @@ def all_functions() -> list[tuple[str, int, int]]:
     return out
 
 
-def _draw(rng: random.Random, want_eval: bool, hidden_tests: int) -> Problem:
+def check_families(families: "tuple[str, ...] | list[str] | None") -> tuple[str, ...]:
+    """The family subset to draw from (all when ``None``); raises ValueError naming unknown ones."""
+    if families is None:
+        return FAMILIES
+    fams = tuple(dict.fromkeys(families))
+    unknown = [f for f in fams if f not in RANGES]
+    if unknown or not fams:
+        raise ValueError(f"unknown function families {unknown or '(none given)'}; known: {', '.join(FAMILIES)}")
+    return fams
+
+
+def _draw(rng: random.Random, want_eval: bool, hidden_tests: int, families: tuple[str, ...] = FAMILIES) -> Problem:
     while True:
-        fam = rng.choice(FAMILIES)
+        fam = rng.choice(families)
         a, b = _constants(fam, rng)
         if is_eval(fam, a, b) == want_eval:
             return make_problem(fam, a, b, hidden_tests)
 
 
-def train_batch(seed: int, step: int, n: int, hidden_tests: int = 6) -> list[Problem]:
-    """``n`` fresh training problems, deterministic in (seed, step); never from the eval split."""
+def train_batch(seed: int, step: int, n: int, hidden_tests: int = 6,
+                families: "tuple[str, ...] | list[str] | None" = None) -> list[Problem]:
+    """``n`` fresh training problems, deterministic in (seed, step); never from the eval split.
+    ``families``: draw only from these (default: all)."""
+    fams = check_families(families)
     rng = random.Random(f"funcfit-train|{seed}|{step}")
-    return [_draw(rng, False, hidden_tests) for _ in range(n)]
+    return [_draw(rng, False, hidden_tests, fams) for _ in range(n)]
 
 
-def eval_set(seed: int, n: int, hidden_tests: int = 6) -> list[Problem]:
+def eval_set(seed: int, n: int, hidden_tests: int = 6,
+             families: "tuple[str, ...] | list[str] | None" = None) -> list[Problem]:
     """``n`` held-out problems, deterministic in ``seed``.
 
     Distinct functions while each family's eval split lasts (~85-230 functions a family, ~600 in all), then it cycles through them
     again in a new order; families are drawn uniformly like the train split.
     """
+    chosen = check_families(families)
     pool = [f for f in all_functions() if is_eval(*f)]
     rng = random.Random(f"funcfit-eval|{seed}")
     by_family: dict[str, list[tuple[str, int, int]]] = {fam: [] for fam in FAMILIES}
@@ -157,7 +173,7 @@ def eval_set(seed: int, n: int, hidden_tests: int = 6) -> list[Problem]:
     out: list[Problem] = []
     cursor = {fam: 0 for fam in FAMILIES}
     while len(out) < n:
-        fam = FAMILIES[len(out) % len(FAMILIES)]
+        fam = chosen[len(out) % len(chosen)]
         lst = by_family[fam]
         f = lst[cursor[fam] % len(lst)]
         cursor[fam] += 1
@@ -165,10 +181,12 @@ def eval_set(seed: int, n: int, hidden_tests: int = 6) -> list[Problem]:
     return out
 
 
-def sft_examples(seed: int, n: int, hidden_tests: int = 6) -> list[tuple[str, str]]:
+def sft_examples(seed: int, n: int, hidden_tests: int = 6,
+                 families: "tuple[str, ...] | list[str] | None" = None) -> list[tuple[str, str]]:
     """``n`` supervised (prompt, target) pairs from the train split; target ends with a newline."""
+    fams = check_families(families)
     rng = random.Random(f"funcfit-sft|{seed}")
-    return [(p.prompt, p.solution + "\n") for p in (_draw(rng, False, hidden_tests) for _ in range(n))]
+    return [(p.prompt, p.solution + "\n") for p in (_draw(rng, False, hidden_tests, fams) for _ in range(n))]
 
 
 def extract_expression(completion: str) -> str:

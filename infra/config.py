@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -117,6 +117,20 @@ class EnvConfig(_Strict):
     seed: int = Field(1234, description="Seed of the problem generator (train and eval splits).")
     eval_problems: int = Field(300, ge=10, le=100_000, description="Held-out problems per eval.")
     hidden_tests: int = Field(6, ge=1, le=100, description="Hidden test points per problem.")
+    families: list[str] | None = Field(
+        None,
+        description="funcfit: function families to draw from (train, warm start and eval alike); None = all of "
+        "x+b, b-x, x*x+b, a*x+b, x%a+b.",
+    )
+
+    @field_validator("families")
+    @classmethod
+    def _known_families(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        from evals.funcfit import check_families
+
+        return list(check_families(v))
 
 
 # ------------------------------------------------------------------------------------- cluster
@@ -356,6 +370,11 @@ class TrainerConfig(_Strict):
     )
     kl_coef: float = Field(0.0, ge=0, le=100.0, description="KL penalty to the frozen reference (0 = off).")
     inner_epochs: int = Field(1, ge=1, le=16, description="Optimizer passes over each rollout batch.")
+    merge_duplicates: bool = Field(
+        True,
+        description="Train identical samples of one prompt (same tokens, hence same reward and rollout "
+        "log-probs) as one row weighted by its count: the same gradient for less compute.",
+    )
     micro_batch: int = Field(
         64, ge=1, le=65536,
         description="Sequences per forward/backward on a rank. Gradient accumulation: a rank's share of the "

@@ -24,7 +24,7 @@ def evaluate(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     if ctx.store.exists(out_key):
         report = get_json(ctx.store, out_key)
     else:
-        problems = eval_set(cfg.env.seed, cfg.env.eval_problems, cfg.env.hidden_tests)
+        problems = eval_set(cfg.env.seed, cfg.env.eval_problems, cfg.env.hidden_tests, cfg.env.families)
         prompts_key = ctx.key(None, "eval", "prompts.json")
         if not ctx.store.exists(prompts_key):
             put_json(ctx.store, prompts_key, {"prompts": [p.prompt for p in problems],

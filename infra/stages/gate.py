@@ -61,7 +61,7 @@ def evaluate_model_dir(cfg: RunConfig, model_dir: str | Path, pool: Any) -> dict
     from evals.funcfit import eval_set, to_verify_request
     from infra.rollout import create_engine
 
-    problems = eval_set(cfg.env.seed, cfg.env.eval_problems, cfg.env.hidden_tests)
+    problems = eval_set(cfg.env.seed, cfg.env.eval_problems, cfg.env.hidden_tests, cfg.env.families)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if tokenizer.pad_token_id is None:

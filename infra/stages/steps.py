@@ -29,7 +29,8 @@ def rollout_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any
         meta = get_json(ctx.store, out_key)
         return {"key": out_key, "version": meta["version"], "tokens": meta.get("tokens", 0),
                 "seconds": meta.get("seconds", 0.0), "cached": True}
-    problems = train_batch(cfg.env.seed, step, cfg.trainer.prompts_per_step, cfg.env.hidden_tests)
+    problems = train_batch(cfg.env.seed, step, cfg.trainer.prompts_per_step, cfg.env.hidden_tests,
+                           cfg.env.families)
     prompts_key = ctx.key(step, "prompts.json")
     put_json(ctx.store, prompts_key, {"prompts": [p.prompt for p in problems],
                                       "problems": [_problem_dict(p) for p in problems]})

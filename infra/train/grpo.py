@@ -45,6 +45,27 @@ def group_advantages(
     return adv.flatten()
 
 
+def merge_duplicates(completions: "list[Completion] | list[dict[str, Any]]") -> tuple[list[int], list[int]]:
+    """Indices of the distinct completions and how many times each occurs.
+
+    A sharpening policy samples the same text many times per prompt. Copies with the same prompt
+    and tokens have the same reward (hence the same group advantage) and the same rollout
+    log-probs, so their loss terms are equal: training one copy with weight k gives the same loss
+    and gradient as training k copies, for a fraction of the compute. Returns ``(keep, counts)``
+    with ``keep`` in first-seen order."""
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
+    keep: list[int] = []
+    counts: list[int] = []
+    for i, c in enumerate(completions):
+        key = (int(_field(c, "prompt_index")), tuple(int(t) for t in _field(c, "token_ids")))
+        slot = first.setdefault(key, len(keep))
+        if slot == len(keep):
+            keep.append(i)
+            counts.append(0)
+        counts[slot] += 1
+    return keep, counts
+
+
 def _field(c: Any, name: str) -> Any:
     return c[name] if isinstance(c, dict) else getattr(c, name)
 
@@ -54,6 +75,7 @@ def build_batch(
     prompts: list[str],
     completions: "list[Completion] | list[dict[str, Any]]",
     advantages: "torch.Tensor | list[float]",
+    weights: "torch.Tensor | list[float] | None" = None,
 ) -> dict[str, "torch.Tensor"]:
     """Right-padded training tensors for completions (``Completion`` objects or their dicts).
 
@@ -62,7 +84,8 @@ def build_batch(
 
     Returns ``input_ids``/``attention_mask`` [B, L] (prompt + completion tokens), ``completion_mask``
     and ``old_logprobs`` [B, L] aligned with the token they score (position t holds the token
-    at t, predicted from t-1), and ``advantages`` [B]."""
+    at t, predicted from t-1), ``advantages`` [B] and ``weights`` [B] (how many samples each row
+    stands for, see :func:`merge_duplicates`; default 1)."""
     import torch
 
     adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
@@ -89,12 +112,16 @@ def build_batch(
         if len(lps[r]) != len(toks[r]):
             raise ValueError(f"completion {r}: {len(lps[r])} logprobs for {len(toks[r])} tokens")
         old[r, p : len(s)] = torch.tensor(lps[r], dtype=torch.float32)
+    w = torch.ones(b) if weights is None else torch.as_tensor(weights, dtype=torch.float32).flatten()
+    if w.numel() != b:
+        raise ValueError(f"{w.numel()} weights for {b} completions")
     return {
         "input_ids": input_ids,
         "attention_mask": attn,
         "completion_mask": cmask,
         "old_logprobs": old,
         "advantages": adv,
+        "weights": w,
     }
 
 
@@ -141,7 +168,9 @@ def grpo_loss(
     mask = batch["completion_mask"].to(dev)
     old = batch["old_logprobs"].to(dev)
     adv = batch["advantages"].to(dev)[:, None]
-    n_tok = float(mask.sum().item())
+    # a merged row stands for several identical samples: it counts that many times in every sum
+    wmask = mask * batch["weights"].to(dev)[:, None] if "weights" in batch else mask
+    n_tok = float(wmask.sum().item())
     denom = float(total_tokens) if total_tokens is not None else max(n_tok, 1.0)
 
     logp, ent = token_logprobs(model, ids, attn, temperature)
@@ -158,17 +187,17 @@ def grpo_loss(
         d = (ref_lp - logp) * mask
         kl = torch.exp(d) - d - 1  # k3: unbiased, non-negative estimate of KL(pi || ref)
         per_tok = per_tok + kl_coef * kl
-    loss = (per_tok * mask).sum() / denom
+    loss = (per_tok * wmask).sum() / denom
 
     with torch.no_grad():
         m = max(n_tok, 1.0)
-        clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).float() * mask
+        clipped = ((ratio < 1 - clip_eps) | (ratio > 1 + high)).float() * wmask
         metrics = {
             "loss": float(loss.item()),
-            "kl": float((kl * mask).sum().item() / m),
+            "kl": float((kl * wmask).sum().item() / m),
             "clip_frac": float(clipped.sum().item() / m),
-            "ratio_mean": float((ratio * mask).sum().item() / m),
-            "entropy": float((ent * mask).sum().item() / m),
+            "ratio_mean": float((ratio * wmask).sum().item() / m),
+            "entropy": float((ent * wmask).sum().item() / m),
             "tokens": n_tok,
         }
     return loss, metrics

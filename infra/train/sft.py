@@ -53,7 +53,8 @@ def sft_batches(
 
     hidden = env_cfg.hidden_tests if env_cfg is not None else 6
     for step in range(1, steps + 1):
-        pairs = sft_examples(seed * 1_000_003 + step, batch_size, hidden)
+        pairs = sft_examples(seed * 1_000_003 + step, batch_size, hidden,
+                             env_cfg.families if env_cfg is not None else None)
         yield sft_batch(tokenizer, pairs[rank::world])
 
 

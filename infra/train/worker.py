@@ -244,7 +244,7 @@ class Trainer:
 
     def op_train_step(self, step: int, rollouts_key: str, scores_key: str) -> dict[str, Any]:
         """One GRPO update from a scored rollout batch, publish the new version, checkpoint every K."""
-        from infra.train.grpo import build_batch, group_advantages, grpo_loss
+        from infra.train.grpo import build_batch, group_advantages, grpo_loss, merge_duplicates
 
         done_key = run_key(self.run_id, step, "train.json")
         if step <= self.step:
@@ -260,21 +260,35 @@ class Trainer:
         rewards = torch.tensor(scores["rewards"], dtype=torch.float32)
         adv = group_advantages(rewards, group, norm=self.cfg.trainer.advantage_norm)
         prompts = rollouts["prompts"]
-        # shard by group so each rank holds whole groups where possible
-        idx = list(range(self.rank, len(samples), self.world))
-        total_tokens = sum(max(1, len(s["token_ids"])) for s in samples)
+        # identical samples of one prompt train as one weighted row (same gradient, less compute);
+        # the distinct rows are dealt to the ranks round-robin
         tcfg = self.cfg.trainer
-        metrics_acc: dict[str, float] = {}
-        n_micro = 0
+        if not samples:
+            raise ValueError(f"step {step}: the rollout batch {rollouts_key} has no samples")
+        keep, counts = merge_duplicates(samples) if self.cfg.trainer.merge_duplicates else (
+            list(range(len(samples))), [1] * len(samples))
+        mine = list(range(self.rank, len(keep), self.world))
+        idx = [keep[j] for j in mine]
+        weight = [float(counts[j]) for j in mine]
+        total_tokens = sum(max(1, len(s["token_ids"])) for s in samples)
+        # every rank runs the same number of micro-batches (FSDP/ZeRO-3 gather weights in each
+        # forward); a rank short of rows runs a zero-weight row instead
+        per_rank = -(-len(keep) // self.world)
+        n_chunks = max(1, -(-per_rank // tcfg.micro_batch))
+        metrics_acc: dict[str, float] = {}  # token-weighted sums (loss: plain sum), reduced over ranks below
         norm = 0.0
         for _epoch in range(tcfg.inner_epochs):
-            for start in range(0, len(idx), tcfg.micro_batch):
+            for start in range(0, n_chunks * tcfg.micro_batch, tcfg.micro_batch):
                 chunk = idx[start : start + tcfg.micro_batch]
+                w = weight[start : start + tcfg.micro_batch]
+                if not chunk:
+                    chunk, w = [keep[0]], [0.0]
                 batch = build_batch(
                     self.tokenizer,
                     [prompts[samples[i]["prompt_index"]] for i in chunk],
                     [samples[i] for i in chunk],
                     adv[chunk],
+                    w,
                 )
                 with self.engine.autocast():
                     loss, m = grpo_loss(
@@ -285,14 +299,18 @@ class Trainer:
                 self.engine.backward(loss)
                 self._maybe_fault(step)
                 for k, v in m.items():
-                    metrics_acc[k] = metrics_acc.get(k, 0.0) + float(v)
-                n_micro += 1
+                    metrics_acc[k] = metrics_acc.get(k, 0.0) + float(v) * (1.0 if k in ("loss", "tokens") else m["tokens"])
             norm = self.engine.step()
-        local = torch.tensor([metrics_acc.get(k, 0.0) / max(1, n_micro) for k in sorted(metrics_acc)])
+        names = sorted(metrics_acc)
+        local = torch.tensor([metrics_acc[k] for k in names], dtype=torch.float64)
         if self.world > 1 and local.numel():
             dist.all_reduce(local)
-            local /= self.world
-        metrics = dict(zip(sorted(metrics_acc), local.tolist()))
+        sums = dict(zip(names, local.tolist()))
+        tok = max(sums.get("tokens", 0.0), 1.0)
+        metrics = {k: (v if k in ("loss", "tokens") else v / tok) for k, v in sums.items()}
+        metrics["loss"] = sums.get("loss", 0.0) / tcfg.inner_epochs
+        metrics["tokens"] = sums.get("tokens", 0.0) / tcfg.inner_epochs
+        metrics["rows_trained"] = float(len(keep))
         self.step = step
         train_seconds = time.perf_counter() - t0
         publish = self._publish_next()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from evals import funcfit as ff
 
 
@@ -74,3 +76,14 @@ def test_verify_request_shape() -> None:
     req = ff.to_verify_request(p, "2*x+3\n")
     assert req.entry == "f" and "return 2*x+3" in req.program
     assert [(t.args, t.expected) for t in req.tests] == [([x], y) for x, y in p.hidden]
+
+
+def test_family_subset_restricts_every_split() -> None:
+    fams = ("x+b", "x%a+b")
+    assert {p.family for p in ff.train_batch(0, 1, 64, families=fams)} == set(fams)
+    assert {p.family for p in ff.eval_set(0, 40, families=fams)} == set(fams)
+    assert all(t.startswith("x*x+") for _, t in ff.sft_examples(0, 64, families=["x*x+b"]))
+    with pytest.raises(ValueError, match="unknown function families"):
+        ff.train_batch(0, 1, 4, families=["x+b", "sin(x)"])
+    with pytest.raises(ValueError):
+        ff.eval_set(0, 4, families=[])

@@ -11,7 +11,7 @@ from infra.config import TinyModelConfig, WarmstartConfig  # noqa: E402
 from infra.model import build_tiny_model, build_tokenizer  # noqa: E402
 from infra.rollout.engine import SamplingParams  # noqa: E402
 from infra.rollout.local import LocalEngine  # noqa: E402
-from infra.train.grpo import build_batch, group_advantages, grpo_loss, token_logprobs  # noqa: E402
+from infra.train.grpo import build_batch, group_advantages, grpo_loss, merge_duplicates, token_logprobs  # noqa: E402
 from infra.train.sft import sft_batch, sft_loss, warmstart  # noqa: E402
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=128)
@@ -79,6 +79,29 @@ def test_shards_sum_to_global_token_mean() -> None:
             acc += g
     for a, b in zip(g_full, g_sum):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_merged_duplicates_give_the_same_gradient() -> None:
+    tok, model, comps = _setup()
+    dup = [comps[0], comps[1], comps[0], comps[4], comps[0], comps[4]]  # same prompt and tokens repeat
+    dup = [type(c)(**{**c.__dict__}) for c in dup]
+    adv = torch.tensor([1.0, -0.5, 1.0, 0.3, 1.0, 0.3])
+    keep, counts = merge_duplicates(dup)
+    assert keep == [0, 1, 3] and counts == [3, 1, 2]
+    full = build_batch(tok, PROMPTS, dup, adv)
+    total = float(full["completion_mask"].sum())
+    loss_a, m_a = grpo_loss(model, full, total_tokens=total, kl_coef=0.05, ref_model=build_tiny_model(SMALL, tok, 3))
+    g_a = torch.autograd.grad(loss_a, list(model.parameters()))
+    merged = build_batch(tok, PROMPTS, [dup[i] for i in keep], adv[keep], counts)
+    loss_b, m_b = grpo_loss(model, merged, total_tokens=total, kl_coef=0.05, ref_model=build_tiny_model(SMALL, tok, 3))
+    g_b = torch.autograd.grad(loss_b, list(model.parameters()))
+    assert loss_a.item() == pytest.approx(loss_b.item(), rel=1e-5)
+    assert m_a["tokens"] == m_b["tokens"] and m_a["entropy"] == pytest.approx(m_b["entropy"], rel=1e-5)
+    for a, b in zip(g_a, g_b):
+        assert torch.allclose(a, b, atol=1e-6)
+    zero = build_batch(tok, PROMPTS, [dup[0]], adv[:1], [0.0])  # the padding row of a short rank
+    loss_z, _ = grpo_loss(model, zero, total_tokens=total)
+    assert loss_z.item() == 0.0
 
 
 def test_kl_to_reference() -> None:
