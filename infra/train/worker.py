@@ -265,7 +265,7 @@ class Trainer:
         tcfg = self.cfg.trainer
         if not samples:
             raise ValueError(f"step {step}: the rollout batch {rollouts_key} has no samples")
-        keep, counts = merge_duplicates(samples) if self.cfg.trainer.merge_duplicates else (
+        keep, counts = merge_duplicates(samples) if tcfg.merge_duplicates else (
             list(range(len(samples))), [1] * len(samples))
         mine = list(range(self.rank, len(keep), self.world))
         idx = [keep[j] for j in mine]
