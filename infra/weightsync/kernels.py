@@ -230,6 +230,18 @@ if HAVE_NUMBA:
     from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
     _U0, _U1, _U8, _UFF = np.uint64(0), np.uint64(1), np.uint64(8), np.uint64(0xFF)
 
+    @_jit(inline="always")
+    def _emit_lanes(msk: Any, a: int, per: int, lane_bits: int, out: Any, k: int) -> int:  # pragma: no cover
+        """Write the lane index of every set top bit of ``msk`` (word ``a``, ``per`` lanes) to
+        ``out`` from ``k``; returns the new count, or -1 if ``out`` is full. Inlined into callers."""
+        while msk != _U0:
+            if k >= out.shape[0]:
+                return -1
+            out[k] = a * per + trailing_zeros(msk) // lane_bits
+            k += 1
+            msk &= msk - _U1
+        return k
+
     @_jit
     def _nb_changed64(o: Any, n: Any, per: int, high: Any, out: Any) -> int:  # pragma: no cover
         """Changed lanes of 8-byte words holding ``per`` lanes each.
@@ -246,19 +258,11 @@ if HAVE_NUMBA:
             if ((o[i] ^ n[i]) | (o[i + 1] ^ n[i + 1]) | (o[i + 2] ^ n[i + 2]) | (o[i + 3] ^ n[i + 3])) != _U0:
                 for a in range(i, i + 4):
                     y = o[a] ^ n[a]
-                    msk = (((y & low) + low) | y) & high
-                    while msk != _U0:
-                        out[k] = a * per + trailing_zeros(msk) // lane_bits
-                        k += 1
-                        msk &= msk - _U1
+                    k = _emit_lanes((((y & low) + low) | y) & high, a, per, lane_bits, out, k)
             i += 4
         for a in range(i, m):
             y = o[a] ^ n[a]
-            msk = (((y & low) + low) | y) & high
-            while msk != _U0:
-                out[k] = a * per + trailing_zeros(msk) // lane_bits
-                k += 1
-                msk &= msk - _U1
+            k = _emit_lanes((((y & low) + low) | y) & high, a, per, lane_bits, out, k)
         return k
 
     @_jit
@@ -441,22 +445,14 @@ if HAVE_NUMBA:
                 acc |= ~(((b64[i + j] & lmask) | high) - tb)
             if acc & high:
                 for a in range(i, i + 16):
-                    msk = ~(((b64[a] & lmask) | high) - tb) & high
-                    while msk != _U0:
-                        if h >= hot.shape[0]:
-                            return -1
-                        hot[h] = a * per + trailing_zeros(msk) // lane_bits
-                        h += 1
-                        msk &= msk - _U1
+                    h = _emit_lanes(~(((b64[a] & lmask) | high) - tb) & high, a, per, lane_bits, hot, h)
+                    if h < 0:
+                        return -1
             i += 16
         for a in range(i, m):
-            msk = ~(((b64[a] & lmask) | high) - tb) & high
-            while msk != _U0:
-                if h >= hot.shape[0]:
-                    return -1
-                hot[h] = a * per + trailing_zeros(msk) // lane_bits
-                h += 1
-                msk &= msk - _U1
+            h = _emit_lanes(~(((b64[a] & lmask) | high) - tb) & high, a, per, lane_bits, hot, h)
+            if h < 0:
+                return -1
         return h
 
     @_jit
