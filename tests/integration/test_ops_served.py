@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from infra.ops.trigger import trigger, wait
+from infra.ops.trigger import request, trigger, wait
 from infra.serve import descendants
 
 pytestmark = pytest.mark.slow
@@ -50,13 +50,12 @@ class Served:
         return [*TINY, f"run_root={self.run_root}", *extra]
 
     def get(self, path: str) -> Any:
-        r = httpx.get(f"{self.api}/{path}", timeout=30, trust_env=False)
-        r.raise_for_status()
-        return r.json()
+        with httpx.Client(base_url=self.api + "/", timeout=30, trust_env=False) as c:
+            return request(c, "GET", path).json()
 
     def post(self, path: str, body: Any) -> Any:
-        r = httpx.post(f"{self.api}/{path}", json=body, timeout=30, trust_env=False)
-        r.raise_for_status()
+        with httpx.Client(base_url=self.api + "/", timeout=30, trust_env=False) as c:
+            r = request(c, "POST", path, json=body)
         return r.json() if r.content else None
 
 
