@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from infra.weightsync.codec import CodecName, decode_into, encode_delta, encode_raw
+from infra.weightsync.hotwords import ChunkHot
 from infra.weightsync.layout import digest
 
 
@@ -32,18 +33,24 @@ def encode_chunk(
     level: int = 1,
     prev_digest: str | None = None,
     update_base: np.ndarray | None = None,
+    hot: ChunkHot | None = None,
 ) -> EncodedChunk:
     """Encode one chunk. ``old`` is the base words (None: keyframe only).
 
     ``update_base``: a buffer (normally ``old`` itself) made equal to ``new`` afterwards, touching
-    only the changed words when the sparse codec found them.
+    only the changed words when the sparse codec found them. ``hot``: the hot-word list of
+    ``update_base`` (kept up to date here); only with ``update_base``.
     """
+    if hot is not None and update_base is None:
+        raise ValueError("a hot-word cache needs update_base (the words it describes)")
     kf = encode_raw(new, level) if keyframe else None
     if old is None:
         if update_base is not None:
             np.copyto(update_base, new)
+            if hot is not None:
+                hot.changed(None)
         return EncodedChunk(kf, None, digest(new), len(new))
-    frame, idx = encode_delta(old, new, codec, level)
+    frame, idx = encode_delta(old, new, codec, level, hot if old is update_base else None)
     if frame is None:
         return EncodedChunk(kf, None, prev_digest if prev_digest is not None else digest(new), 0)
     changed = len(idx) if idx is not None else int(np.count_nonzero(old != new))
@@ -53,6 +60,8 @@ def encode_chunk(
             update_base[idx] = new[idx]
         else:
             np.copyto(update_base, new)
+        if hot is not None:
+            hot.changed(idx if old is update_base else None)
     return EncodedChunk(kf, frame, h, changed)
 
 
@@ -60,8 +69,13 @@ class ChecksumMismatch(ValueError):
     """The decoded chunk does not hash to the digest its manifest recorded."""
 
 
-def apply_frame(frame: bytes | memoryview, buf: np.ndarray, expect: str) -> None:
-    """Decode ``frame`` into ``buf`` (holding the base words) in place and verify the digest."""
-    decode_into(frame, buf)
+def apply_frame(frame: bytes | memoryview, buf: np.ndarray, expect: str, hot: ChunkHot | None = None) -> None:
+    """Decode ``frame`` into ``buf`` (holding the base words) in place and verify the digest.
+
+    ``hot``: the hot-word list of ``buf``; updated to the decoded words when the digest matches.
+    (On a mismatch the caller must drop its hot lists: ``buf`` is no longer a known version.)"""
+    idx = decode_into(frame, buf, hot)
     if digest(buf) != expect:
         raise ChecksumMismatch("checksum mismatch after decoding")
+    if hot is not None:
+        hot.changed(idx)

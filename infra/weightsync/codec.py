@@ -105,18 +105,22 @@ def encode_xor(old: np.ndarray, new: np.ndarray, level: int) -> bytes:
     return _HDR.pack(TAG_XOR, new.dtype.itemsize, len(new)) + _cctx(level).compress(np.bitwise_xor(old, new))
 
 
-def encode_sparse(old: np.ndarray, new: np.ndarray, level: int, idx: np.ndarray | None = None) -> bytes:
-    """Sparse delta frame (positions + ordered, byte-split zigzag integer differences)."""
+def encode_sparse(old: np.ndarray, new: np.ndarray, level: int, idx: np.ndarray | None = None,
+                  hot: kernels.HotSource | None = None) -> bytes:
+    """Sparse delta frame (positions + ordered, byte-split zigzag integer differences).
+
+    ``hot``: the hot-word list of ``old`` from a cache (:mod:`infra.weightsync.hotwords`), else scanned."""
     if idx is None:
         idx = changed_positions(old, new)
     w = new.dtype.itemsize
-    planes, positions = kernels.sparse_parts(old, new, idx)
+    planes, positions = kernels.sparse_parts(old, new, idx, hot)
     values = _cctx(level).compress(planes) if len(idx) else b""
     return b"".join((_HDR.pack(TAG_SPARSE, w, len(new)), positions, _SPARSE_LEN.pack(len(values)), values))
 
 
 def encode_delta(
-    old: np.ndarray, new: np.ndarray, codec: CodecName = "auto", level: int = 1
+    old: np.ndarray, new: np.ndarray, codec: CodecName = "auto", level: int = 1,
+    hot: kernels.HotSource | None = None,
 ) -> tuple[bytes | None, np.ndarray | None]:
     """Encode the change from ``old`` to ``new`` (same dtype and length).
 
@@ -130,7 +134,7 @@ def encode_delta(
     idx = changed_positions(old, new)
     if len(idx) == 0:
         return None, idx
-    sparse = encode_sparse(old, new, level, idx)
+    sparse = encode_sparse(old, new, level, idx, hot)
     if codec == "sparse" or len(idx) <= DENSE_FRACTION * len(new):
         return sparse, idx
     if codec != "auto":
@@ -144,9 +148,11 @@ def frame_tag(frame: bytes | memoryview) -> str:
     return TAG_NAMES.get(frame[0], "?")
 
 
-def decode_into(frame: bytes | memoryview, buf: np.ndarray) -> None:
+def decode_into(frame: bytes | memoryview, buf: np.ndarray, hot: kernels.HotSource | None = None) -> np.ndarray | None:
     """Apply ``frame`` to ``buf`` in place: ``buf`` holds the base words (ignored for raw frames).
 
+    Returns the changed positions for a sparse frame, None for raw and xor frames (any word may
+    have changed). ``hot``: the hot-word list of ``buf`` from a cache, else scanned.
     Raises ValueError when the frame is truncated, malformed or does not fit ``buf``.
     """
     mv = memoryview(frame)
@@ -159,11 +165,13 @@ def decode_into(frame: bytes | memoryview, buf: np.ndarray) -> None:
     if tag == TAG_RAW:
         planes = np.frombuffer(_decompress(body, n * w), np.uint8)
         _unsplit(planes, n, w, out=buf)
-    elif tag == TAG_XOR:
+        return None
+    if tag == TAG_XOR:
         np.bitwise_xor(buf, np.frombuffer(_decompress(body, n * w), buf.dtype), out=buf)
-    elif tag == TAG_SPARSE:
+        return None
+    if tag == TAG_SPARSE:
         body_u8 = np.frombuffer(body, np.uint8)
-        idx, used = kernels.decode_positions_ctx(body_u8, buf)
+        idx, used = kernels.decode_positions_ctx(body_u8, buf, hot)
         if used + _SPARSE_LEN.size > len(body):
             raise ValueError("sparse frame truncated")
         (vlen,) = _SPARSE_LEN.unpack_from(body, used)
@@ -171,8 +179,8 @@ def decode_into(frame: bytes | memoryview, buf: np.ndarray) -> None:
         if used + vlen != len(body):
             raise ValueError("sparse frame length mismatch (truncated or trailing bytes)")
         if len(idx) == 0:
-            return
+            return idx
         planes = np.frombuffer(_decompress(body[used:], len(idx) * w), np.uint8)
         kernels.apply_values(buf, idx, planes)
-    else:
-        raise ValueError(f"unknown frame tag {tag}")
+        return idx
+    raise ValueError(f"unknown frame tag {tag}")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -60,6 +60,8 @@ if not os.environ.get("DELTALOOP_NO_NUMBA"):
         HAVE_NUMBA = True
     except ImportError:  # optional accelerator
         pass
+
+HotSource = Callable[[int], np.ndarray]  # threshold -> sorted positions of the words below it
 
 _POS_PLAIN, _POS_SPLIT = 0, 1
 _SPLIT_HDR = struct.Struct("<QB")  # threshold (masked word value), complement flag
@@ -121,7 +123,8 @@ def _np_values(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.nd
     return np.ascontiguousarray(planes), base, zz
 
 
-def _np_positions(old: np.ndarray, idx: np.ndarray, base: np.ndarray, zz: np.ndarray) -> bytes:
+def _np_positions(old: np.ndarray, idx: np.ndarray, base: np.ndarray, zz: np.ndarray,
+                  hot: "HotSource | None" = None) -> bytes:
     """Position stream (mode byte first): plain, or split by the base word's magnitude class.
 
     Weights much smaller than the update size (tiny magnitude, tiny ulp) change almost surely;
@@ -150,7 +153,7 @@ def _np_positions(old: np.ndarray, idx: np.ndarray, base: np.ndarray, zz: np.nda
     sh, _km, mm = _consts(w)
     thr = t << sh
     mask = old.dtype.type(mm)
-    hot_words = np.flatnonzero((old & mask) < thr)
+    hot_words = hot(thr) if hot is not None else np.flatnonzero((old & mask) < thr)
     if len(hot_words) == 0 or len(hot_words) > len(old) // 4:
         return plain()
     hot = (base & mask) < thr
@@ -169,7 +172,7 @@ def _np_positions(old: np.ndarray, idx: np.ndarray, base: np.ndarray, zz: np.nda
     ))
 
 
-def _np_decode_positions(body: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, int]:
+def _np_decode_positions(body: np.ndarray, buf: np.ndarray, hot: "HotSource | None" = None) -> tuple[np.ndarray, int]:
     """Inverse of the position stream: (sorted changed positions, bytes consumed)."""
     n = len(buf)
     if len(body) < 1:
@@ -185,7 +188,7 @@ def _np_decode_positions(body: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray,
     thr, comp = _SPLIT_HDR.unpack_from(memoryview(body), 1)
     off = 1 + _SPLIT_HDR.size
     mask = buf.dtype.type(_consts(buf.dtype.itemsize)[2])
-    hot_words = np.flatnonzero((buf & mask) < thr)
+    hot_words = hot(thr) if hot is not None else np.flatnonzero((buf & mask) < thr)
     ranks, used = decode_positions(memoryview(body)[off:], len(hot_words))
     off += used
     if comp:
@@ -496,88 +499,128 @@ if HAVE_NUMBA:
             cap = n + 8
 
     @_jit
-    def _nb_positions(old: Any, idx: Any, base: Any, zz: Any, keys: Any, kshift: int, magmask: Any) -> Any:  # pragma: no cover
-        """The position stream (mode byte first); same decisions as :func:`_np_positions`."""
-        m = idx.shape[0]
-        n = old.shape[0]
-        split = m >= 64
+    def _nb_split_threshold(zz: Any, keys: Any) -> int:  # pragma: no cover
+        """Exponent-byte threshold ``t`` of the hot class (see :func:`_np_positions`), 0 = plain."""
+        m = zz.shape[0]
+        if m < _MIN_SPLIT:
+            return 0
+        hist = np.zeros(256, np.int64)
+        nbig = 0
+        for i in range(m):
+            if (zz[i] >> _U1) >= np.uint64(4):
+                hist[keys[i]] += 1
+                nbig += 1
+        if 50 * nbig < m:
+            return 0
+        rank = (9 * (nbig - 1)) // 10
         t = 0
-        if split:
-            hist = np.zeros(256, np.int64)
-            nbig = 0
-            for i in range(m):
-                if (zz[i] >> _U1) >= np.uint64(4):
-                    hist[keys[i]] += 1
-                    nbig += 1
-            if 50 * nbig < m:
-                split = False
-            else:
-                rank = (9 * (nbig - 1)) // 10
-                c = 0
-                for b in range(256):
-                    c += hist[b]
-                    if c > rank:
-                        t = b + 1
-                        break
-                below = 0
-                for i in range(m):
-                    if keys[i] < t:
-                        below += 1
-                if 10 * below < m:
-                    split = False
-        if split:
-            thr = np.uint64(t) << np.uint64(kshift)
-            hot = _nb_hot_words(old, magmask, thr)
-            nhot = hot.shape[0]
-            hotflag = np.empty(m, np.bool_)
-            before = np.empty(m, np.int64)
-            j = 0
-            for i in range(m):  # merge: hot words before each changed position
-                p = idx[i]
-                while j < nhot and hot[j] < p:
-                    j += 1
-                before[i] = j
-                hotflag[i] = j < nhot and hot[j] == p
-            if nhot == 0 or nhot > n // 4:
-                split = False
-        if split:
-            nh = 0
-            for i in range(m):
-                nh += hotflag[i]
-            ranks = np.empty(nh, np.int64)
-            normal = np.empty(m - nh, np.int64)
-            a = b = 0
-            for i in range(m):
-                if hotflag[i]:
-                    ranks[a] = before[i]
-                    a += 1
-                else:
-                    normal[b] = idx[i] - before[i]
-                    b += 1
-            comp = 2 * nh > nhot
-            if comp:
-                cr = np.empty(nhot - nh, np.int64)
-                j = 0
-                c = 0
-                for r in range(nhot):
-                    if j < nh and ranks[j] == r:
-                        j += 1
-                    else:
-                        cr[c] = r
-                        c += 1
-                ranks = cr
-            size = 1 + 9 + _nb_rice_size(ranks) + _nb_rice_size(normal)
-            if size - 1 < _nb_rice_size(idx):
-                out = np.zeros(size, np.uint8)
-                out[0] = 1
-                _nb_put_le(out, 1, thr, 8)
-                out[9] = 1 if comp else 0
-                o = _nb_rice_write(ranks, out, 10)
-                _nb_rice_write(normal, out, o)
-                return out
+        c = 0
+        for b in range(256):
+            c += hist[b]
+            if c > rank:
+                t = b + 1
+                break
+        below = 0
+        for i in range(m):
+            if keys[i] < t:
+                below += 1
+        if 10 * below < m:
+            return 0
+        return t
+
+    @_jit
+    def _nb_positions_plain(idx: Any) -> Any:  # pragma: no cover
         out = np.zeros(1 + _nb_rice_size(idx), np.uint8)
         _nb_rice_write(idx, out, 1)
         return out
+
+    @_jit
+    def _nb_positions_hot(idx: Any, hot: Any, thr: Any, n: int) -> Any:  # pragma: no cover
+        """The position stream split by the hot class ``hot`` (sorted positions of the base words
+        below ``thr``), or the plain stream when that is not smaller; same decisions as numpy."""
+        m = idx.shape[0]
+        nhot = hot.shape[0]
+        if nhot == 0 or nhot > n // 4:
+            return _nb_positions_plain(idx)
+        hotflag = np.empty(m, np.bool_)
+        before = np.empty(m, np.int64)
+        j = 0
+        for i in range(m):  # merge: hot words before each changed position
+            p = idx[i]
+            while j < nhot and hot[j] < p:
+                j += 1
+            before[i] = j
+            hotflag[i] = j < nhot and hot[j] == p
+        nh = 0
+        for i in range(m):
+            nh += hotflag[i]
+        ranks = np.empty(nh, np.int64)
+        normal = np.empty(m - nh, np.int64)
+        a = b = 0
+        for i in range(m):
+            if hotflag[i]:
+                ranks[a] = before[i]
+                a += 1
+            else:
+                normal[b] = idx[i] - before[i]
+                b += 1
+        comp = 2 * nh > nhot
+        if comp:
+            cr = np.empty(nhot - nh, np.int64)
+            j = 0
+            c = 0
+            for r in range(nhot):
+                if j < nh and ranks[j] == r:
+                    j += 1
+                else:
+                    cr[c] = r
+                    c += 1
+            ranks = cr
+        size = 1 + 9 + _nb_rice_size(ranks) + _nb_rice_size(normal)
+        if size - 1 < _nb_rice_size(idx):
+            out = np.zeros(size, np.uint8)
+            out[0] = 1
+            _nb_put_le(out, 1, thr, 8)
+            out[9] = 1 if comp else 0
+            o = _nb_rice_write(ranks, out, 10)
+            _nb_rice_write(normal, out, o)
+            return out
+        return _nb_positions_plain(idx)
+
+    @_jit
+    def _nb_hot_filter(hot: Any, words: Any, magmask: Any, thr: Any) -> Any:  # pragma: no cover
+        """The entries of ``hot`` whose word's magnitude is below ``thr`` (order kept)."""
+        out = np.empty(hot.shape[0], np.int64)
+        o = 0
+        for i in range(hot.shape[0]):
+            p = hot[i]
+            if (np.uint64(words[p]) & magmask) < thr:
+                out[o] = p
+                o += 1
+        return out[:o]
+
+    @_jit
+    def _nb_hot_update(hot: Any, idx: Any, words: Any, magmask: Any, cap: Any) -> Any:  # pragma: no cover
+        """The hot list after the words at ``idx`` changed (``words`` holds the new values): the
+        old list without ``idx``, plus the changed words now below ``cap``; sorted."""
+        nh = hot.shape[0]
+        m = idx.shape[0]
+        out = np.empty(nh + m, np.int64)
+        a = b = o = 0
+        while a < nh or b < m:
+            if b >= m or (a < nh and hot[a] < idx[b]):
+                out[o] = hot[a]
+                o += 1
+                a += 1
+            else:
+                p = idx[b]
+                if a < nh and hot[a] == p:
+                    a += 1
+                if (np.uint64(words[p]) & magmask) < cap:
+                    out[o] = p
+                    o += 1
+                b += 1
+        return out[:o].copy()
 
     @_jit
     def _nb_get_le(buf: Any, off: int, nbytes: int) -> Any:  # pragma: no cover
@@ -659,9 +702,13 @@ if HAVE_NUMBA:
             raise ValueError("unknown position mode")
         if body.shape[0] < 10:
             raise ValueError("position stream truncated")
-        thr = _nb_get_le(body, 1, 8)
+        hot = _nb_hot_words(buf, magmask, _nb_get_le(body, 1, 8))
+        return _nb_decode_split(body, hot, n)
+
+    @_jit
+    def _nb_decode_split(body: Any, hot: Any, n: int) -> Any:  # pragma: no cover
+        """Positions of a split stream (mode 1, header already checked) given the hot list."""
         comp = body[9] != 0
-        hot = _nb_hot_words(buf, magmask, thr)
         nhot = hot.shape[0]
         ranks, off = _nb_rice_read(body, 10, nhot)
         if comp:
@@ -761,24 +808,72 @@ def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     return out[:k].copy()
 
 
-def sparse_parts(old: np.ndarray, new: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, bytes | np.ndarray]:
-    """(value planes to compress, position stream) of a sparse frame; ``idx`` = changed positions."""
+def sparse_parts(old: np.ndarray, new: np.ndarray, idx: np.ndarray,
+                 hot: "HotSource | None" = None) -> tuple[np.ndarray, bytes | np.ndarray]:
+    """(value planes to compress, position stream) of a sparse frame; ``idx`` = changed positions.
+
+    ``hot``: where the hot-class list of ``old`` comes from (a cache kept across versions, see
+    :mod:`infra.weightsync.hotwords`); None scans ``old``. The bytes are the same either way."""
     if _impl == "numpy":
         planes, base, zz = _np_values(old, new, idx)
-        return planes, _np_positions(old, idx, base, zz)
+        return planes, _np_positions(old, idx, base, zz, hot)
     w = new.dtype.itemsize
     sh, km, mm = _consts(w)
     idx = np.ascontiguousarray(idx, np.int64)
     planes, base, zz, keys = _nb_values(old, new, idx, w, sh, km, _full(w))
-    return planes, _nb_positions(old, idx, base, zz, keys, sh, np.uint64(mm))
+    t = _nb_split_threshold(zz, keys)
+    if t == 0:
+        return planes, _nb_positions_plain(idx)
+    thr = t << sh
+    hw = hot(thr) if hot is not None else hot_words(old, thr)
+    return planes, _nb_positions_hot(idx, hw, np.uint64(thr), len(old))
 
 
-def decode_positions_ctx(body: np.ndarray, buf: np.ndarray) -> tuple[np.ndarray, int]:
-    """Changed positions from a position stream (``body``: uint8, from its mode byte), bytes used."""
+def decode_positions_ctx(body: np.ndarray, buf: np.ndarray, hot: "HotSource | None" = None) -> tuple[np.ndarray, int]:
+    """Changed positions from a position stream (``body``: uint8, from its mode byte), bytes used.
+
+    ``hot`` as in :func:`sparse_parts` (the hot list of ``buf``'s current words)."""
     if _impl == "numpy":
-        return _np_decode_positions(body, buf)
-    idx, used = _nb_decode_positions(body, buf, np.uint64(_consts(buf.dtype.itemsize)[2]))
+        return _np_decode_positions(body, buf, hot)
+    if hot is not None and len(body) >= 1 + _SPLIT_HDR.size and body[0] == _POS_SPLIT:
+        thr = int(_SPLIT_HDR.unpack_from(body, 1)[0])
+        idx, used = _nb_decode_split(body, np.ascontiguousarray(hot(thr), np.int64), len(buf))
+    else:
+        idx, used = _nb_decode_positions(body, buf, np.uint64(_consts(buf.dtype.itemsize)[2]))
     return idx, int(used)
+
+
+def magnitude_mask(w: int) -> int:
+    """The bits below a ``w``-byte word's top (sign) bit: its magnitude for the hot class."""
+    return _consts(w)[2]
+
+
+def hot_words(words: np.ndarray, thr: int) -> np.ndarray:
+    """Sorted positions (int64) of the words whose magnitude (``word & magnitude_mask``) is below
+    ``thr``: the "hot" class the split position code conditions on (a scan of every word)."""
+    mm = magnitude_mask(words.dtype.itemsize)
+    if _impl == "numpy":
+        return np.flatnonzero((words & words.dtype.type(mm)) < min(thr, mm + 1))
+    return _nb_hot_words(words, np.uint64(mm), np.uint64(min(thr, mm + 1)))
+
+
+def hot_filter(hot: np.ndarray, words: np.ndarray, thr: int) -> np.ndarray:
+    """The positions in ``hot`` whose word's magnitude is below ``thr`` (a sub-list, order kept)."""
+    mm = magnitude_mask(words.dtype.itemsize)
+    if _impl == "numpy":
+        return hot[(words[hot] & words.dtype.type(mm)) < thr]
+    return _nb_hot_filter(hot, words, np.uint64(mm), np.uint64(thr))
+
+
+def hot_update(hot: np.ndarray, idx: np.ndarray, words: np.ndarray, cap: int) -> np.ndarray:
+    """The hot list (threshold ``cap``) of ``words`` after the words at ``idx`` (sorted) changed:
+    ``hot`` without ``idx``, plus the changed words now below ``cap``. O(len(hot) + len(idx))."""
+    mm = magnitude_mask(words.dtype.itemsize)
+    if _impl == "numpy":
+        keep = hot[~np.isin(hot, idx, assume_unique=True)]
+        now = idx[(words[idx] & words.dtype.type(mm)) < cap]
+        return np.union1d(keep, now).astype(np.int64)
+    return _nb_hot_update(hot, np.ascontiguousarray(idx, np.int64), words, np.uint64(mm), np.uint64(cap))
 
 
 def apply_values(buf: np.ndarray, idx: np.ndarray, planes: np.ndarray) -> None:
@@ -816,4 +911,12 @@ def warm_up() -> None:
             if frame is not None:
                 codec.decode_into(frame, old.copy())
                 codec.decode_into(bytearray(frame), old.copy())
+            # the publisher's kept hot lists (scan, filter, update) and the split position code
+            hot = hot_words(o, 1 << 4)
+            hot_filter(hot, o, 1 << 3)
+            hot_update(hot, np.arange(0, 4096, 7, dtype=np.int64), o, 1 << 4)
+    idx = np.arange(0, 4096, 5, dtype=np.int64)
+    _nb_positions_hot(idx, idx[::3].copy(), np.uint64(1 << 7), 4096)
+    _nb_positions_plain(idx)
+    _nb_split_threshold(np.arange(len(idx), dtype=np.uint64), np.zeros(len(idx), np.int64))
     _warm = True

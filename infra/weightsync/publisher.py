@@ -33,6 +33,7 @@ from infra.weightsync import kernels
 from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
 from infra.weightsync.errors import WeightSyncError
+from infra.weightsync.hotwords import HotWords
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
     ChunkEntry,
@@ -141,6 +142,7 @@ class VersionPublisher:
         self._sig: list[tuple[str, str, tuple[int, ...]]] = []
         self._digests: dict[str, list[str]] = {}
         self._files: dict[str, str] = {}  # side-file name -> digest already stored
+        self._hot = HotWords()  # hot-word lists of the base's chunks, kept across versions
         committed, _keys, seen = scan_versions(store.list(self.prefix + "/"))
         self.version = committed[-1] if committed else 0
         for orphan in sorted(v for v in seen if v > self.version):  # left by a killed publisher
@@ -192,10 +194,13 @@ class VersionPublisher:
             log.info("version %d: tensor names/shapes/dtypes changed; writing a keyframe", version)
         base = self._base if has_base else None
         self._base = None  # unknown until this publish commits
+        if base is None:
+            self._hot.clear()
         try:
             info, new_base = self._publish(version, names, tensors, words, sig, base, is_key, files, meta, t0)
         except BaseException:
             self._sig, self._digests = [], {}
+            self._hot.clear()
             raise
         self._base = new_base
         return info
@@ -235,7 +240,7 @@ class VersionPublisher:
                 return encode_chunk(
                     cur if base is not None else None, words[n][s:e], keyframe=is_key, codec=self.codec,
                     level=self.level, prev_digest=self._digests[n][ci] if base is not None else None,
-                    update_base=cur,
+                    update_base=cur, hot=self._hot.chunk((n, ci), cur) if base is not None else None,
                 )
 
             def submit_next() -> bool:
