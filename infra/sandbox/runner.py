@@ -303,6 +303,12 @@ def zygote_main(fd, opts):
             __import__(name)
         except Exception:
             pass
+    # Freeze the heap: a forked worker then never has its collector walk (and so write to, and so
+    # copy-on-write fault) the pages of every object inherited from us. ~40% of a short job's time.
+    import gc
+
+    gc.collect()
+    gc.freeze()
     sock = socket.socket(fileno=fd)
     sock.sendall(b"R")  # ready: the runner waits for this, so a job never pays our start-up
     while True:
