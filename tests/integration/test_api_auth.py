@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from infra.ops.trigger import trigger
+from infra.ops.trigger import request, trigger
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,9 @@ def test_unauthenticated_trigger_is_refused(tmp_path: Path) -> None:
         # with the shared secret the same call creates the run
         run = trigger(api, "rl-train/rl-train", params, auth=AUTH)
         assert run["state"]["type"] == "SCHEDULED" and run["parameters"] == params
-        r = httpx.post(f"{api}/flow_runs/{run['id']}/set_state", auth=tuple(AUTH.split(":", 1)), trust_env=False,
-                       json={"state": {"type": "CANCELLED", "name": "Cancelled"}, "force": True}, timeout=30)
+        with httpx.Client(base_url=api + "/", auth=tuple(AUTH.split(":", 1)), trust_env=False, timeout=30) as c:
+            r = request(c, "POST", f"flow_runs/{run['id']}/set_state",
+                        json={"state": {"type": "CANCELLED", "name": "Cancelled"}, "force": True})
         assert r.status_code in (200, 201)
     finally:
         proc.send_signal(signal.SIGINT)
