@@ -33,11 +33,38 @@ def _register() -> None:
         module.register(app)
 
 
+def _user_error(exc: BaseException) -> bool:
+    """True for errors that describe the user's input or environment (a missing file, an empty or
+    unreachable store, a corrupt version, no sandbox runtime...): those print one line, not a
+    traceback. Anything else is a bug and keeps its traceback."""
+    import sys
+
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+        return True
+    kinds: list[type] = []
+    for module, names in (("infra.storage", ("StorageError",)), ("infra.weightsync.errors", ("WeightSyncError",)),
+                          ("infra.sandbox.types", ("SandboxError",)), ("infra.cluster.base", ("ClusterError",)),
+                          ("infra.train.checkpoint", ("CheckpointError",)), ("infra.config", ("ConfigError",)),
+                          ("mlflow.exceptions", ("MlflowException",))):
+        mod = sys.modules.get(module)  # only what the command imported: nothing is loaded here
+        kinds += [getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)]
+    return isinstance(exc, tuple(kinds))
+
+
 def main() -> None:
-    """Console entry point."""
+    """Console entry point. ``DELTALOOP_DEBUG=1`` shows tracebacks of user-facing errors too."""
+    import os
+    import sys
+
     set_defaults()
     _register()
-    app()
+    try:
+        app()
+    except Exception as exc:
+        if os.environ.get("DELTALOOP_DEBUG") or not _user_error(exc):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,16 @@ def register(app: typer.Typer) -> None:
     def gate(version: str = typer.Argument(..., help="Registered model version to gate."),
              config: Path = CONFIG, set_: list[str] = SET) -> None:
         """Evaluate VERSION against the champion on the same suites; promote only if the gate passes."""
-        _cfg(config, set_)
+        cfg = _cfg(config, set_)
+        from mlflow.exceptions import MlflowException
+
+        from infra.registry import Registry
+
+        try:  # a clear error before a flow run is created for a version that does not exist
+            Registry(cfg.resolved_tracking_uri(), cfg.tracking.registered_model).get(version)
+        except MlflowException as exc:
+            typer.echo(f"gate: {exc.message}", err=True)
+            raise typer.Exit(1)
         from flows.eval_gate import eval_gate
 
         out = eval_gate(version=version, config=str(config), overrides=list(set_))

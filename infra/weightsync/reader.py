@@ -205,6 +205,9 @@ class VersionReader:
                     return out, goal1
         committed, keyframes = self._scan()
         explicit = target is not None
+        if not committed:
+            raise VersionNotFound(f"no committed version under {self.prefix}/ in this store",
+                                  version=int(target) if explicit else None)
         goal = int(target) if explicit else committed[-1]
         if goal not in committed:
             raise VersionNotFound(f"not committed (newest is {committed[-1]})", version=goal)

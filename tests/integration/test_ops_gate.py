@@ -138,3 +138,8 @@ def test_cli_promote_and_rollback_restore_previous_champion(setup: tuple[Any, Re
     assert r.returncode == 1 and "no previous" in r.stderr
     r = _cli("champion", "--set", root)
     assert r.returncode == 0 and f"version {v1}" in r.stdout
+    # a version that is not registered: one clear line, no flow run, no traceback
+    for cmd in (["gate", "999"], ["promote", "999"]):
+        r = _cli(*cmd, "--set", root)
+        assert r.returncode == 1 and "version=999" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert reg.alias("champion").version == v1  # type: ignore[union-attr]

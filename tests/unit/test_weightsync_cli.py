@@ -66,3 +66,37 @@ def test_publish_fetch_byte_identical(tmp_path: Path) -> None:
     assert res.output.split() == ["1", "K", "2", "d", "3", "d"]
     res = runner.invoke(app, ["sync", "gc", "--store", store, "--keep", "1"])
     assert res.exit_code == 0 and "none" in res.output  # keyframe 1 anchors version 3
+
+
+def _cli(*args: str, cwd: Path) -> "subprocess.CompletedProcess[str]":
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    env.pop("DELTALOOP_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "deltaloop.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_user_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """What a user gets wrong (an empty store, a folder without weights, a version that is not there)
+    exits 1 with one ``error:`` line naming the problem, not a Python traceback."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["sync", "fetch", "--store", f"file://{tmp_path / 'nothing'}", "--out", str(tmp_path / "o")],
+         "no committed version under weights/"),
+        (["sync", "publish", str(empty), "--store", f"file://{tmp_path / 's'}"], "no *.safetensors file"),
+    ]
+    model = tmp_path / "m"
+    _write_model(model, {f"t{i}": torch.randn(8, 4) for i in range(5)})
+    assert _cli("sync", "publish", str(model), "--store", f"file://{tmp_path / 's'}", cwd=tmp_path).returncode == 0
+    cases.append((["sync", "fetch", "--store", f"file://{tmp_path / 's'}", "--version", "7", "--out",
+                   str(tmp_path / "o")], "version 7: not committed (newest is 1)"))
+    for args, message in cases:
+        res = _cli(*args, cwd=tmp_path)
+        assert res.returncode == 1, (args, res.stdout, res.stderr)
+        assert "error: " in res.stderr and message in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr, res.stderr
