@@ -11,8 +11,9 @@ What is measured, per learning rate (1e-6, 3e-6, 1e-5):
   manifest included), and an entropy estimate: log2 C(N, n) bits for the changed positions per
   tensor plus n times the empirical entropy of the changed values (zigzag bit differences).
 - encode and decode GB/s of model bytes, through the production per-chunk functions
-  (``encode_chunk``: change detection, frame, digest; ``apply_frame``: in-place decode + digest
-  verify), on one thread and on one thread per core.
+  (``encode_chunk`` as the publisher calls it: change detection, frame, digest, base update, kept
+  hot-word lists; ``apply_frame``: in-place decode + digest verify), on one thread and on one
+  thread per core; ``encode_gbps_*_stateless``: the same encode without base or lists.
 - end to end: seconds from ``publish`` start until a reader holds verified bit-exact weights,
   through moto's S3 server behind a 50 MB/s (each way) TCP proxy: a full version (keyframe) for a
   fresh reader versus a delta for a reader holding the previous version (the delta timed
@@ -213,14 +214,20 @@ def _tmp_root() -> str | None:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
-def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int) -> tuple[float, float, float, float]:
+def speed(before: dict[str, Any], after: dict[str, Any], threads: int,
+          reps: int) -> tuple[float, float, float, float, float]:
     """Encode and decode GB/s (model bytes) of the production per-chunk path on ``threads`` threads.
 
-    Returns wall-clock rates and rates per CPU-second of this process (the latter tell what one
-    core does when the machine is shared and the process keeps getting descheduled).
+    Encode is the publisher's path: the delta against its private base, the base updated in place,
+    the hot-word lists kept across versions (warmed by one untimed version, then timed on versions
+    that alternate after -> before -> after, each with the same changed positions). Decode is the
+    reader's path (``apply_frame``: in-place decode + digest). Returns wall-clock rates, rates per
+    CPU-second of this process (what one core does when the machine is shared and the process keeps
+    getting descheduled) and, last, the stateless encode rate (no base update, no kept lists).
     """
     from infra.weightsync import kernels
     from infra.weightsync.chunks import apply_frame, encode_chunk
+    from infra.weightsync.hotwords import HotWords
     from infra.weightsync.publisher import chunk_bounds
 
     kernels.warm_up()  # compile/load the numba kernels outside the timed loops
@@ -230,18 +237,30 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int
         for s, e in chunk_bounds(len(n), n.dtype.itemsize, 4 << 20):
             jobs.append((o[s:e], n[s:e]))
     total = sum(n.nbytes for _o, n in jobs)
+    base = [o.copy() for o, _n in jobs]
+    lists = HotWords()
 
-    def enc(job: tuple[np.ndarray, np.ndarray]) -> Any:
+    def publish_chunk(i: int, target: np.ndarray) -> Any:
+        return encode_chunk(base[i], target, keyframe=False, codec="auto", level=1, update_base=base[i],
+                            hot=lists.chunk(i, base[i]))
+
+    def stateless(job: tuple[np.ndarray, np.ndarray]) -> Any:
         return encode_chunk(job[0], job[1], keyframe=False, codec="auto", level=1)
 
-    best_e = best_d = cpu_e = cpu_d = float("inf")
+    best_e = best_d = cpu_e = cpu_d = best_s = float("inf")
     with ThreadPoolExecutor(threads) as pool:
-        results: list[Any] = []
-        for _ in range(reps):
+        list(pool.map(lambda i: publish_chunk(i, jobs[i][1]), range(len(jobs))))  # first version: builds lists
+        for rep in range(2 * reps):
+            side = 0 if rep % 2 == 0 else 1  # after -> before, then before -> after, ...
             t0, c0 = time.perf_counter(), time.process_time()
-            results = list(pool.map(enc, jobs))
+            list(pool.map(lambda i: publish_chunk(i, jobs[i][side]), range(len(jobs))))
             best_e = min(best_e, time.perf_counter() - t0)
             cpu_e = min(cpu_e, time.process_time() - c0)
+        results: list[Any] = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            results = list(pool.map(stateless, jobs))
+            best_s = min(best_s, time.perf_counter() - t0)
         for _ in range(reps):
             bufs = [o.copy() for o, _n in jobs]  # the reader's current weights (patched in place)
 
@@ -254,7 +273,8 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int, reps: int
             best_d = min(best_d, time.perf_counter() - t0)
             cpu_d = min(cpu_d, time.process_time() - c0)
             assert all(np.array_equal(b, n) for b, (_o, n) in zip(bufs, jobs))
-    return total / best_e / 1e9, total / best_d / 1e9, total / cpu_e / 1e9, total / cpu_d / 1e9
+    return (total / best_e / 1e9, total / best_d / 1e9, total / cpu_e / 1e9, total / cpu_d / 1e9,
+            total / best_s / 1e9)
 
 
 E2E_DELTA_REPEATS = 7  # delta syncs timed per lr (median reported); the full one is link-bound and timed once
@@ -364,9 +384,10 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
             rec["ours_vs_reference"] = rec["ours_fraction"] / rec["reference_fraction"]
             rec["ours_vs_entropy"] = rec["ours_fraction"] / rec["entropy_fraction"]
             (rec["encode_gbps_1core"], rec["decode_gbps_1core"], rec["encode_gbps_per_cpu_second"],
-             rec["decode_gbps_per_cpu_second"]) = speed(before, after, 1, reps)
+             rec["decode_gbps_per_cpu_second"], rec["encode_gbps_1core_stateless"]) = speed(before, after, 1, reps)
             cores = os.cpu_count() or 1
-            rec["encode_gbps_all"], rec["decode_gbps_all"], _e, _d = speed(before, after, cores, reps)
+            (rec["encode_gbps_all"], rec["decode_gbps_all"], _e, _d,
+             rec["encode_gbps_all_stateless"]) = speed(before, after, cores, reps)
             rec.update(end_to_end(before, after, proxy.url, f"wsbench-{i}"))
             rec["e2e_speedup"] = rec["e2e_full_seconds"] / rec["e2e_delta_seconds"]
             rec.update({

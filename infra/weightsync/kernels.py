@@ -250,7 +250,8 @@ if HAVE_NUMBA:
         """Changed lanes of 8-byte words holding ``per`` lanes each.
 
         One branch per 4 words; in a word that differs, a SWAR test marks the lanes that differ
-        (their top bit in ``high``) and trailing-zero counts walk them.
+        (their top bit in ``high``) and trailing-zero counts walk them. (Reducing 2 KiB pieces to
+        a mask first, as the hot-class scan does, measured slower here: changes are too frequent.)
         """
         low = ~high
         lane_bits = 64 // per
@@ -428,30 +429,51 @@ if HAVE_NUMBA:
             o += 1
         return o
 
+    @_jit(inline="always")
+    def _piece_hits(b64: Any, s: int, lmask: Any, high: Any, tb: Any) -> Any:  # pragma: no cover
+        """Bit k set when block k (16 uint64) of the 64 blocks from ``s`` holds a lane below the
+        threshold. No stores: LLVM keeps it in vector registers (stores to an output array in the
+        same loop would alias the input and stop vectorisation, halving the speed)."""
+        msk = _U0
+        for k in range(64):
+            acc = _U0
+            base = s + 16 * k
+            for j in range(16):
+                acc |= ~(((b64[base + j] & lmask) | high) - tb)
+            if acc & high:
+                msk |= _U1 << np.uint64(k)
+        return msk
+
     @_jit
     def _nb_hot_swar(b64: Any, per: int, lmask: Any, high: Any, tb: Any, hot: Any, h: int) -> int:  # pragma: no cover
         """Append to ``hot`` the lanes of ``b64`` (``per`` words per uint64) with magnitude below
-        the threshold; returns the new count.
+        the threshold; returns the new count, or -1 when ``hot`` is full.
 
         SWAR: with ``lmask`` = the magnitude mask and ``high`` = the top bit in every lane, and
         ``tb`` = the threshold (<= top bit) in every lane, ``((x & lmask) | high) - tb`` borrows
-        into no other lane and keeps a lane's top bit exactly when its magnitude >= threshold. 8
-        uint64 (64 bytes) are tested per branch; the rare groups with a hit are walked with
-        trailing-zero counts. ~3x the per-word test on words widened to 64 bits (memory speed).
+        into no other lane and keeps a lane's top bit exactly when its magnitude >= threshold.
+        8 KiB pieces are first reduced to a 64-bit mask of blocks with a hit (:func:`_piece_hits`,
+        at memory speed); only those blocks are walked, with trailing-zero counts (written out:
+        with :func:`_emit_lanes` inlined here the walk compiled ~3x slower on dense hot classes).
+        SmolLM2 at lr 1e-6, one core: 45-53 -> 24-31 ms for the whole model.
         """
         lane_bits = 64 // per
         m = b64.shape[0]
         i = 0
-        while i + 16 <= m:
-            acc = _U0
-            for j in range(16):
-                acc |= ~(((b64[i + j] & lmask) | high) - tb)
-            if acc & high:
-                for a in range(i, i + 16):
-                    h = _emit_lanes(~(((b64[a] & lmask) | high) - tb) & high, a, per, lane_bits, hot, h)
-                    if h < 0:
-                        return -1
-            i += 16
+        while i + 1024 <= m:
+            pm = _piece_hits(b64, i, lmask, high, tb)
+            while pm != _U0:
+                k = trailing_zeros(pm)
+                pm &= pm - _U1
+                for a in range(i + 16 * k, i + 16 * k + 16):
+                    msk = ~(((b64[a] & lmask) | high) - tb) & high
+                    while msk != _U0:
+                        if h >= hot.shape[0]:
+                            return -1
+                        hot[h] = a * per + trailing_zeros(msk) // lane_bits
+                        h += 1
+                        msk &= msk - _U1
+            i += 1024
         for a in range(i, m):
             h = _emit_lanes(~(((b64[a] & lmask) | high) - tb) & high, a, per, lane_bits, hot, h)
             if h < 0:
