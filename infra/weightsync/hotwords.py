@@ -3,8 +3,8 @@
 The sparse codec's split position code conditions on the *hot class* of the base: the words whose
 magnitude is below a threshold ``thr`` that the encoder picks per chunk and writes in the frame
 (:mod:`infra.weightsync.kernels`). Finding that class is a scan of every base word — at lr 1e-6 on
-SmolLM2-135M ~40 ms of one core per version, a third of the encoder's time, for a class of ~0.5%
-of the words.
+SmolLM2-135M ~25 ms of one core per version (memory speed), a fifth of the encoder's time, for a
+class of ~0.5% of the words.
 
 The publisher knows exactly which words each version changed in its private base, so it keeps the
 list instead of rebuilding it: :class:`HotWords` stores, per chunk, the sorted positions of the
@@ -14,8 +14,8 @@ each change merges in the changed words (``O(hot + changed)``). A request for ``
 filters the list; a larger ``thr``, or a chunk without a list, scans once and keeps the result.
 Frames are byte-identical with and without the lists (tests compare them).
 
-Measured on the 2-core machine (SmolLM2-135M, lr 1e-6, one thread): encode 146 -> 112 ms a version
-single-threaded; in the publish-then-fetch loop ~10 ms of ~200 (paired runs). The decoder accepts
+Measured on the 2-core machine (SmolLM2-135M, lr 1e-6, one thread, all 285 chunks): encode
+128 -> 111 ms a version; in the publish-then-fetch loop ~10 ms of ~200 (paired runs). The decoder accepts
 the same source (``codec.decode_into(..., hot=)``), but :class:`VersionReader` does not keep lists:
 there the scan also brings each chunk into cache for the digest that follows, and without it the
 fetch measured no faster (the filter's gathers and the digest then wait on memory).
