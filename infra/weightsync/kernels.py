@@ -156,14 +156,14 @@ def _np_positions(old: np.ndarray, idx: np.ndarray, base: np.ndarray, zz: np.nda
     hot_words = hot(thr) if hot is not None else np.flatnonzero((old & mask) < thr)
     if len(hot_words) == 0 or len(hot_words) > len(old) // 4:
         return plain()
-    hot = (base & mask) < thr
-    ranks = np.searchsorted(hot_words, idx[hot])
+    in_hot = (base & mask) < thr
+    ranks = np.searchsorted(hot_words, idx[in_hot])
     comp = 2 * len(ranks) > len(hot_words)
     if comp:
         keep = np.ones(len(hot_words), np.bool_)
         keep[ranks] = False
         ranks = np.flatnonzero(keep)
-    normal = idx[~hot]
+    normal = idx[~in_hot]
     normal_ranks = normal - np.searchsorted(hot_words, normal)
     if positions_size(ranks) + positions_size(normal_ranks) + _SPLIT_HDR.size >= positions_size(idx):
         return plain()
