@@ -708,12 +708,18 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(source, [f"{p} is a directory, not a YAML file (e.g. {p / 'demo.yaml'})"])
         if not p.is_file():
             raise ConfigError(source, [f"file not found: {p}"])
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(source, [f"YAML syntax: {exc}"]) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(source, [f"not UTF-8 text (byte {exc.start}): is this a YAML file?"]) from None
+        except OSError as exc:
+            raise ConfigError(source, [f"cannot read: {exc.strerror or exc}"]) from None
         if not isinstance(loaded, dict):
             raise ConfigError(source, [f"top level must be a mapping, got {type(loaded).__name__}"])
         data = loaded

@@ -51,6 +51,12 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(listy)
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
 
 
 def test_overrides_parse_yaml_values() -> None:
