@@ -43,6 +43,7 @@ def _user_error(exc: BaseException) -> bool:
         return True
     kinds: list[type] = []
     for module, names in (("infra.storage", ("StorageError",)), ("infra.weightsync.errors", ("WeightSyncError",)),
+                          ("infra.weightsync.folder", ("FolderError",)),
                           ("infra.sandbox.types", ("SandboxError",)), ("infra.cluster.base", ("ClusterError",)),
                           ("infra.train.checkpoint", ("CheckpointError",)), ("infra.config", ("ConfigError",)),
                           ("mlflow.exceptions", ("MlflowException",))):

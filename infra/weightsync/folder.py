@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 MARKER = ".deltaloop-sync.json"
 
 
+class FolderError(ValueError):
+    """A model folder that cannot be published as it is (unreadable safetensors, clashing names)."""
+
+
 def _st_metadata(path: Path) -> dict[str, str] | None:
     with open(path, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
@@ -44,12 +48,16 @@ def read_folder(folder: str | Path) -> tuple[dict[str, "torch.Tensor"], dict[str
         if rel == MARKER:
             continue
         if path.suffix == ".safetensors":
-            loaded = load_file(str(path))
+            try:
+                loaded = load_file(str(path))
+                metadata = _st_metadata(path)
+            except Exception as exc:  # safetensors' own error type, struct/json errors of the header
+                raise FolderError(f"{path}: not a readable safetensors file ({exc})") from exc
             dup = sorted(set(loaded) & set(tensors))
             if dup:
-                raise ValueError(f"tensor {dup[0]!r} appears in more than one safetensors file")
+                raise FolderError(f"tensor {dup[0]!r} appears in more than one safetensors file")
             tensors.update(loaded)
-            layout[rel] = {"tensors": list(loaded), "metadata": _st_metadata(path)}
+            layout[rel] = {"tensors": list(loaded), "metadata": metadata}
         else:
             files[rel] = path.read_bytes()
     if not layout:

@@ -90,6 +90,11 @@ def test_user_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
          "no committed version under weights/"),
         (["sync", "publish", str(empty), "--store", f"file://{tmp_path / 's'}"], "no *.safetensors file"),
     ]
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "model.safetensors").write_bytes(b"\x00" * 7 + b"not a safetensors file")
+    cases.append((["sync", "publish", str(garbage), "--store", f"file://{tmp_path / 's'}"],
+                  "not a readable safetensors file"))
     model = tmp_path / "m"
     _write_model(model, {f"t{i}": torch.randn(8, 4) for i in range(5)})
     assert _cli("sync", "publish", str(model), "--store", f"file://{tmp_path / 's'}", cwd=tmp_path).returncode == 0
