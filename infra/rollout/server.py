@@ -71,7 +71,17 @@ class RolloutWorker:
                 raise LookupError("no weight version has been published yet")
             if target == have_version:
                 return {"version": target, "seconds": 0.0, "applied": False}
-            tensors, got = self.reader.fetch(target=target, have=self._tensors, have_version=have_version)
+            # The held tensors are this worker's own (the engine copies them into its model), so
+            # the delta is applied to them in place: no model-sized allocation and copy per sync
+            # (~0.2 s of page faults and memcpy for 135M bf16 params on a 2-core VM, more than the
+            # delta itself). A failed fetch may leave them half-patched: drop them, so the next
+            # load replays from a keyframe.
+            try:
+                tensors, got = self.reader.fetch(target=target, have=self._tensors, have_version=have_version,
+                                                 inplace=True)
+            except BaseException:
+                self._tensors = None
+                raise
             self.engine.load_weights(tensors, got)
             self._tensors = tensors
             return {"version": got, "seconds": time.perf_counter() - started, "applied": True}

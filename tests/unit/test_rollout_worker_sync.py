@@ -1,0 +1,87 @@
+"""The rollout worker's weight load: deltas patched into its own tensors, recovery after a failure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from infra.config import load_config  # noqa: E402
+from infra.model import publishable_state  # noqa: E402
+from infra.rollout.server import RolloutWorker  # noqa: E402
+from infra.storage import FileStore, run_key  # noqa: E402
+from infra.weightsync import VersionPublisher, WeightSyncError  # noqa: E402
+from infra.weightsync.layout import version_dir  # noqa: E402
+
+OVERRIDES = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
+             "model.tiny.intermediate_size=64", "rollout.threads=1"]
+
+
+def _states(worker: RolloutWorker, n: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` successive published states: the worker's model, then small sparse updates of it."""
+    g = torch.Generator().manual_seed(0)
+    cur = publishable_state(worker.engine.model)
+    out = [cur]
+    for _ in range(n - 1):
+        nxt = {}
+        for k, t in cur.items():
+            f = t.float()
+            mask = torch.rand(f.shape, generator=g) < 0.05
+            nxt[k] = (f + mask * 0.05 * torch.randn(f.shape, generator=g)).to(torch.bfloat16)
+        out.append(nxt)
+        cur = nxt
+    return out
+
+
+def _served(worker: RolloutWorker) -> dict[str, torch.Tensor]:
+    return publishable_state(worker.engine.model)
+
+
+def test_worker_applies_deltas_in_place_and_recovers_from_a_failed_fetch(tmp_path: Path) -> None:
+    cfg = load_config(None, OVERRIDES)
+    store_dir = tmp_path / "store"
+    worker = RolloutWorker(cfg, {"store_uri": f"file://{store_dir}", "run_id": "r"})
+    store = FileStore(store_dir)
+    prefix = run_key("r", None, "weights")
+    pub = VersionPublisher(store, prefix, keyframe_every=100)
+    states = _states(worker, 5)
+
+    pub.publish(states[0])
+    assert worker.load(None)["version"] == 1
+    held = worker._tensors
+    assert held is not None
+    ptrs = {k: t.data_ptr() for k, t in held.items()}
+
+    pub.publish(states[1])
+    res = worker.load(None)
+    assert res["version"] == 2 and res["applied"] and worker.version == 2
+    # the delta went into the tensors the worker already held: no new model-sized buffers
+    assert {k: t.data_ptr() for k, t in worker._tensors.items()} == ptrs
+    for k, t in _served(worker).items():
+        assert torch.equal(t, states[1][k]), k
+
+    # version 3's delta is corrupt: every path to it fails, and the half-patched tensors are dropped
+    pub.publish(states[2])
+    shard = next(k for k in store.list(version_dir(prefix, 3) + "/") if k.rsplit("/", 1)[1].startswith("d-"))
+    blob = bytearray(store.get(shard))
+    blob[len(blob) // 2] ^= 0xFF
+    store.put(shard, bytes(blob))
+    with pytest.raises(WeightSyncError):
+        worker.load(3)
+    assert worker._tensors is None
+    assert worker.version == 2  # the engine still serves the last good version
+    for k, t in _served(worker).items():
+        assert torch.equal(t, states[1][k]), k
+
+    # a keyframe after it loads exactly, and the next delta is in place again
+    pub.publish(states[3], keyframe=True)
+    assert worker.load(None)["version"] == 4
+    ptrs = {k: t.data_ptr() for k, t in worker._tensors.items()}
+    pub.publish(states[4])
+    assert worker.load(None)["version"] == 5
+    assert {k: t.data_ptr() for k, t in worker._tensors.items()} == ptrs
+    for k, t in _served(worker).items():
+        assert torch.equal(t, states[4][k]), k
