@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -40,7 +41,16 @@ def _served(worker: RolloutWorker) -> dict[str, torch.Tensor]:
     return publishable_state(worker.engine.model)
 
 
-def test_worker_applies_deltas_in_place_and_recovers_from_a_failed_fetch(tmp_path: Path) -> None:
+@pytest.fixture
+def keep_torch_threads() -> Iterator[None]:
+    """The worker sets torch's thread count for its process; give the next tests theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_worker_applies_deltas_in_place_and_recovers_from_a_failed_fetch(tmp_path: Path,
+                                                                        keep_torch_threads: None) -> None:
     cfg = load_config(None, OVERRIDES)
     store_dir = tmp_path / "store"
     worker = RolloutWorker(cfg, {"store_uri": f"file://{store_dir}", "run_id": "r"})
