@@ -20,6 +20,10 @@ What is measured, per learning rate (1e-6, 3e-6, 1e-5):
   through moto's S3 server behind a 50 MB/s (each way) TCP proxy: a full version (keyframe) for a
   fresh reader versus a delta for a reader holding the previous version (the delta timed
   ``E2E_DELTA_REPEATS`` times, alternating the two versions; median reported, every sample kept).
+  Publisher and reader share this process, which freezes its start-up objects first (as the
+  trainer and rollout worker processes do, :mod:`infra.gcpause`): otherwise a full garbage
+  collection between ``publish`` and ``fetch`` walks torch's import-time objects inside the timed
+  window (150-190 ms on the 2-core VM, in one sample of seven).
 """
 
 from __future__ import annotations
@@ -279,19 +283,34 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int,
             total / best_s / 1e9)
 
 
-E2E_DELTA_REPEATS = 7  # delta syncs timed per lr (median reported); the full one is link-bound and timed once
+E2E_DELTA_REPEATS = 15  # delta syncs timed per lr (median reported); the full one is link-bound and timed once
 
 
 def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, bucket: str) -> dict[str, float]:
     """Seconds from publish start to verified weights at a reader, full vs delta, through the link."""
-    import torch
+    import gc
 
+    from infra.gcpause import freeze_startup_objects
     from infra.storage import S3Store
-    from infra.weightsync import VersionPublisher, VersionReader
-    from infra.weightsync.testing import same
 
     store = S3Store(f"s3://{bucket}", endpoint_url=endpoint)
     store.ensure_bucket()
+    # Publisher and reader share this process here (on a cluster they are the trainer and a rollout
+    # worker, which freeze their start-up objects: infra.gcpause). Without this, a full collection
+    # between publish() and fetch() walks torch's import-time objects for ~150-190 ms on this VM.
+    freeze_startup_objects()
+    try:
+        return _end_to_end(before, after, store)
+    finally:
+        gc.unfreeze()
+
+
+def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any) -> dict[str, float]:
+    import torch
+
+    from infra.weightsync import VersionPublisher, VersionReader
+    from infra.weightsync.testing import same
+
     out: dict[str, float] = {}
     # full: a fresh reader gets a keyframe
     pub = VersionPublisher(store, "full", keyframe_every=1000, threads=os.cpu_count() or 2)

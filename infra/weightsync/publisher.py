@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from infra.gcpause import deferred_gc
 from infra.weightsync import kernels
 from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
@@ -181,8 +182,19 @@ class VersionPublisher:
         """Publish ``tensors`` as the next version (keyframe or delta); returns what was written.
 
         ``files`` are side files (e.g. ``config.json``) stored once by content; ``meta`` is free-form
-        JSON kept in the manifest; ``keyframe=True`` forces a keyframe.
+        JSON kept in the manifest; ``keyframe=True`` forces a keyframe. Python's cyclic garbage
+        collector is held off meanwhile (:func:`infra.gcpause.deferred_gc`).
         """
+        with deferred_gc():
+            return self._publish_version(tensors, files, meta, keyframe)
+
+    def _publish_version(
+        self,
+        tensors: dict[str, "torch.Tensor"],
+        files: dict[str, bytes] | None,
+        meta: dict[str, Any] | None,
+        keyframe: bool | None,
+    ) -> PublishInfo:
         t0 = time.perf_counter()
         version = self.version + 1
         names = list(tensors)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from infra.gcpause import deferred_gc
 from infra.storage import ObjectNotFound
 from infra.weightsync import kernels
 from infra.weightsync.chunks import apply_frame
@@ -181,7 +182,18 @@ class VersionReader:
         ``have``/``have_version``: the caller's tensors at that version, so only later deltas are
         downloaded. ``have`` is not modified unless ``inplace=True`` (then it is patched and returned;
         after a failed fetch it may hold a mix of versions and must not be passed as ``have`` again).
+        Python's cyclic garbage collector is held off meanwhile (:func:`infra.gcpause.deferred_gc`).
         """
+        with deferred_gc():
+            return self._fetch(target, have, have_version, inplace)
+
+    def _fetch(
+        self,
+        target: int | None,
+        have: dict[str, "torch.Tensor"] | None,
+        have_version: int | None,
+        inplace: bool,
+    ) -> tuple[dict[str, "torch.Tensor"], int]:
         t0 = time.perf_counter()
         self.last_errors = []
         tried_have = False
