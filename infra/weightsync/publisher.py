@@ -281,35 +281,35 @@ class VersionPublisher:
                     pending.popleft().result()
             kshards.flush()
             dshards.flush()
+            if is_key:  # the marker goes up with the last shards (it must exist before the manifest)
+                pending.append(io.submit(self.store.put, f"{vdir}/{KEYFRAME_MARK}", b""))
+            file_digests, file_bytes = self._put_files(files or {})
+            # the manifest is built while the last shards upload; it is written after they all are
+            shard_names = [f"k-{i:04d}.bin" for i in range(len(kshards.names))]
+            man = Manifest(
+                version=version,
+                keyframe=is_key,
+                base=(version - 1) if base is not None else None,
+                chunk_bytes=self.chunk_bytes,
+                shards=shard_names + dshards.names,
+                tensors=[
+                    TensorEntry(n, s[1], list(s[2]), int(tensors[n].element_size() * tensors[n].numel()),
+                                tensor_digest([c.h for c in entries[n]]), entries[n])
+                    for n, s in zip(names, sig)
+                ],
+                files=file_digests,
+                meta=dict(meta or {}),
+            )
+            # shard indices in entries are per kind; make them indices into man.shards
+            off = len(shard_names)
+            for t in man.tensors:
+                for c in t.chunks:
+                    if c.d is not None:
+                        c.d = [c.d[0] + off, c.d[1], c.d[2]]
+            blob = man.to_bytes()
             while pending:
                 pending.popleft().result()
-            written += kshards.written + dshards.written
-            file_digests, file_bytes = self._put_files(files or {})
-            written += file_bytes
-        if is_key:
-            self.store.put(f"{vdir}/{KEYFRAME_MARK}", b"")
-        shard_names = [f"k-{i:04d}.bin" for i in range(len(kshards.names))]
-        man = Manifest(
-            version=version,
-            keyframe=is_key,
-            base=(version - 1) if base is not None else None,
-            chunk_bytes=self.chunk_bytes,
-            shards=shard_names + dshards.names,
-            tensors=[
-                TensorEntry(n, s[1], list(s[2]), int(tensors[n].element_size() * tensors[n].numel()),
-                            tensor_digest([c.h for c in entries[n]]), entries[n])
-                for n, s in zip(names, sig)
-            ],
-            files=file_digests,
-            meta=dict(meta or {}),
-        )
-        # shard indices in entries are per kind; make them indices into man.shards
-        off = len(shard_names)
-        for t in man.tensors:
-            for c in t.chunks:
-                if c.d is not None:
-                    c.d = [c.d[0] + off, c.d[1], c.d[2]]
-        blob = man.to_bytes()
+            written += kshards.written + dshards.written + file_bytes
         self.store.put(manifest_key(self.prefix, version), blob)  # commit point
         written += len(blob)
         self.version = version

@@ -132,28 +132,35 @@ class VersionReader:
             self._manifests[version] = man
         return man
 
-    def _next_version(self, have_version: int, probe_newer: bool) -> int | None:
-        """``have_version + 1`` if it is committed and (when ``probe_newer``) the newest; else None.
+    def _next_version(self, have_version: int, probe_newer: bool) -> tuple[int | None, Future | None]:
+        """``(have_version + 1, probe)`` if that version is committed, else ``(None, None)``.
 
-        Reads its manifest (cached for the fetch) while, in parallel, a HEAD checks that the
-        manifest of ``have_version + 2`` does not exist. A publisher commits versions in order
-        (a version's manifest only after the previous one's), so then ``have_version + 1`` was
-        the newest committed version at that moment, as a listing would have said. Any doubt
-        (missing, unreadable, a newer version, a storage error) returns None: the caller lists.
+        Reads its manifest (cached for the fetch) while, in parallel, ``probe`` (when
+        ``probe_newer``) HEADs the manifest of ``have_version + 2``. A publisher commits versions
+        in order (a version's manifest only after the previous one's), so if the probe finds none,
+        ``have_version + 1`` was the newest committed version at that moment, as a listing would
+        have said. The caller does not wait for the probe before starting: it checks it once the
+        version is applied (:meth:`_newer_committed`).
         """
         nv = have_version + 1
         newer = _PREFETCH.submit(self.store.exists, manifest_key(self.prefix, nv + 1)) if probe_newer else None
         try:
             self.manifest(nv)
-            ok = True
         except WeightSyncError:
-            ok = False
+            if newer is not None:
+                newer.cancel()
+            return None, None
+        return nv, newer
+
+    @staticmethod
+    def _newer_committed(probe: Future | None) -> bool:
+        """Did the probe of :meth:`_next_version` find a newer version (or fail, so we cannot tell)?"""
+        if probe is None:
+            return False
         try:
-            if newer is not None and newer.result():
-                ok = False
-        except Exception:  # storage error on the probe: fall back to listing
-            ok = False
-        return nv if ok else None
+            return bool(probe.result())
+        except Exception:  # storage error on the probe: let a listing decide
+            return True
 
     def files(self, version: int) -> dict[str, bytes]:
         """Side files (e.g. ``config.json``) stored with ``version``, verified by digest."""
@@ -193,15 +200,19 @@ class VersionReader:
         have: dict[str, "torch.Tensor"] | None,
         have_version: int | None,
         inplace: bool,
+        one_behind_path: bool = True,
     ) -> tuple[dict[str, "torch.Tensor"], int]:
         t0 = time.perf_counter()
         self.last_errors = []
         tried_have = False
-        if have is not None and have_version is not None and (target is None or int(target) == have_version + 1):
+        if (one_behind_path and have is not None and have_version is not None
+                and (target is None or int(target) == have_version + 1)):
             # the usual case: one version ahead. No listing: read that manifest and, when no target
             # was given, check that the next one does not exist (versions are committed in order,
             # so then it is the newest), both at once: one round trip instead of list + manifest.
-            goal1 = self._next_version(have_version, probe_newer=target is None)
+            goal1, probe = self._next_version(have_version, probe_newer=target is None)
+            if goal1 is not None and probe is not None and probe.done() and self._newer_committed(probe):
+                goal1 = None  # already known to be behind by more than one: list and fold instead
             if goal1 is not None:
                 tried_have = True
                 try:
@@ -213,6 +224,11 @@ class VersionReader:
                     log.warning("weight fetch path have -> %d failed: %s", goal1, exc)
                     self.last_errors.append(exc)
                 else:
+                    if self._newer_committed(probe):
+                        # the store moved on while this version was applied (or the probe failed):
+                        # list, and fold the deltas after it in one pass; ``out`` is the caller's
+                        # tensors (inplace) or ours
+                        return self._fetch(None, out, goal1, True, one_behind_path=False)
                     self.last_stats["seconds"] = time.perf_counter() - t0
                     self.last_stats["path"] = "have"
                     return out, goal1
@@ -287,8 +303,7 @@ class VersionReader:
                          word_width(dtype_from_name(t.dtype).itemsize), start.chunk_bytes)
             for t in tensors
         ]
-        bufs: list[np.ndarray] = []
-        if have is not None:
+        if have is not None:  # check the caller's tensors before anything is downloaded
             names = [t.name for t in tensors]
             if sorted(have) != sorted(names):
                 extra = sorted(set(have) ^ set(names))
@@ -300,11 +315,6 @@ class VersionReader:
                         f"have {dtype_name(h.dtype)}{list(h.shape)}, version has {t.dtype}{t.shape}",
                         version=start_v, tensor=t.name,
                     )
-                raw = tensor_bytes(h)
-                bufs.append(raw if inplace else raw.copy())
-        else:
-            bufs = [np.empty(t.nbytes, np.uint8) for t in tensors]
-        words = [b.view(word_dtype(word_width(dtype_from_name(t.dtype).itemsize))) for b, t in zip(bufs, tensors)]
         touched = [[False] * len(b) for b in bounds]
         steps: list[tuple[int, str, Manifest]] = []
         if key is not None:
@@ -312,8 +322,24 @@ class VersionReader:
         steps += [(v, "d", self.manifest(v)) for v in deltas]
         ranges = self._ranges(steps)
         self.last_stats = {"bytes_read": sum(r.length for r in ranges), "versions": [s[0] for s in steps]}
+        bufs: list[np.ndarray] = []
+        words: list[np.ndarray] = []
+        origs: list[np.ndarray] | None = None
 
-        origs = [tensor_bytes(have[t.name]) for t in tensors] if (have is not None and not inplace) else None
+        def prepare() -> None:
+            """The buffers to decode into: run while the first ranges download (the copy of a
+            non-inplace fetch is a full model, ~20 ms on the 2-core VM)."""
+            nonlocal origs
+            if have is not None:
+                for t in tensors:
+                    raw = tensor_bytes(have[t.name])
+                    bufs.append(raw if inplace else raw.copy())
+                if not inplace:
+                    origs = [tensor_bytes(have[t.name]) for t in tensors]
+            else:
+                bufs.extend(np.empty(t.nbytes, np.uint8) for t in tensors)
+            words.extend(b.view(word_dtype(word_width(dtype_from_name(t.dtype).itemsize)))
+                         for b, t in zip(bufs, tensors))
 
         def decode(step: int, ti: int, ci: int, frame: memoryview) -> None:
             v, kind, man = steps[step]
@@ -336,7 +362,7 @@ class VersionReader:
                 raise CorruptData(f"chunk {ci} ({kind} frame): {exc}", version=v, tensor=t.name) from exc
             touched[ti][ci] = True
 
-        self._schedule(steps, ranges, decode)
+        self._schedule(steps, ranges, decode, prepare)
         # chunks no delta touched still hold the caller's words: verify them against the goal
         untouched = [(ti, ci) for ti, row in enumerate(touched) for ci, done in enumerate(row) if not done]
         if untouched:
@@ -401,8 +427,11 @@ class VersionReader:
         steps: list[tuple[int, str, Manifest]],
         ranges: list[_Range],
         decode: Callable[[int, int, int, memoryview], None],
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         """Download ranges (bounded bytes in flight) and decode each once earlier steps are applied.
+
+        ``prepare`` runs once, after the first downloads are on their way and before any decode.
 
         Completions arrive on one queue (futures' done-callbacks), so the loop does O(1) work per
         finished download or decode. (``concurrent.futures.wait`` over every pending future costs
@@ -450,6 +479,9 @@ class VersionReader:
                     used += r.length
                     downloading += 1
                     track("get", r, io.submit(self._download, r, steps))
+                if prepare is not None:  # while the first ranges download
+                    prepare()
+                    prepare = None
                 kind, r, f = events.get()
                 outstanding -= 1
                 exc = f.exception()
@@ -472,5 +504,7 @@ class VersionReader:
                 advance()
             for f in started:
                 f.cancel()
+        if prepare is not None and error is None:  # nothing was downloaded
+            prepare()
         if error is not None:
             raise error
