@@ -10,7 +10,9 @@ decode threads waited (one sync in seven took 0.33-0.50 s instead of ~0.2 s).
 :func:`deferred_gc` turns the collector off for the duration of a weight publish or fetch (a
 bounded section that makes no reference cycles worth collecting; reference counting still frees
 everything) and back on when the last concurrent section ends, so the collection that was due runs
-right after instead of in the middle. :func:`freeze_startup_objects` is for long-lived processes
+right after instead of in the middle. The switch is process-wide: for as long as a sync runs
+(seconds for a keyframe of a large model over a slow link) other threads' reference cycles wait
+for collection too. :func:`freeze_startup_objects` is for long-lived processes
 (rollout worker, trainer ranks): after start-up it moves every object into the permanent
 generation (``gc.freeze``), so later full collections walk only what was allocated since.
 """
