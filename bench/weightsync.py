@@ -204,15 +204,15 @@ def sizes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
 def ours_bytes(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int]:
     """Bytes the publisher writes for the delta version (all objects + manifest), and frames only."""
     from infra.storage import FileStore
-    from infra.weightsync import VersionPublisher
-    from infra.weightsync.layout import MANIFEST
+    from infra.weightsync import VersionPublisher, VersionReader
 
     with tempfile.TemporaryDirectory(dir=_tmp_root()) as d:
         store = FileStore(d)
         pub = VersionPublisher(store, "w", keyframe_every=1000)
         pub.publish(before)
         info = pub.publish(after)
-        frames = sum(store.size(k) for k in store.list("w/v00000002/") if not k.endswith(MANIFEST))
+        man = VersionReader(store, "w").manifest(2)
+        frames = sum(c.d[2] for t in man.tensors for c in t.chunks if c.d is not None)  # some ride in the manifest
         return info.bytes_written, frames
 
 

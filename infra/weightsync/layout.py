@@ -15,12 +15,19 @@ digest, and per chunk of ``chunk_bytes``: the chunk's xxh3-128 digest and where 
 digests, so it is computed in parallel and is stable for a given ``chunk_bytes``.
 Keyframe versions after the first also carry delta frames, so a reader one version behind never
 downloads a keyframe.
+
+The last, partly filled delta shard of a version is not a separate object: its frames ride in the
+manifest object after the JSON (``DLM2`` + u32 length of the zstd JSON + zstd JSON + those frames;
+the shard is named ``@manifest`` in ``shards``). That saves the publisher one PUT round trip after
+its last chunk and gives the reader those frames with the manifest, to decode while the other
+shards download. A manifest without such frames is the plain zstd JSON of format 1, as before.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +39,9 @@ from infra.weightsync.errors import ManifestError
 FORMAT = "deltaloop-weights/1"
 MANIFEST = "manifest.json.zst"
 KEYFRAME_MARK = "keyframe"
+TAIL_SHARD = "@manifest"  # shard name of the delta frames carried inside the manifest object
+_TAIL_MAGIC = b"DLM2"
+_TAIL_LEN = struct.Struct("<I")
 _VERSION_RE = re.compile(r"(?:^|/)v(\d{8})/(" + re.escape(MANIFEST) + "|" + KEYFRAME_MARK + r")$")
 
 
@@ -115,6 +125,7 @@ class Manifest:
     tensors: list[TensorEntry]
     files: dict[str, str] = field(default_factory=dict)  # side file name -> digest
     meta: dict[str, Any] = field(default_factory=dict)
+    tail: bytes = b""  # frames of the ``TAIL_SHARD`` shard, stored after the JSON in the same object
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -138,10 +149,20 @@ class Manifest:
             "files": self.files,
             "meta": self.meta,
         }
-        return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
+        packed = zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
+        if not self.tail:
+            return packed
+        return b"".join((_TAIL_MAGIC, _TAIL_LEN.pack(len(packed)), packed, self.tail))
 
     @classmethod
     def from_bytes(cls, data: bytes, version: int) -> "Manifest":
+        tail = b""
+        if data[:4] == _TAIL_MAGIC:
+            head = 4 + _TAIL_LEN.size
+            if len(data) < head or len(data) < head + _TAIL_LEN.unpack_from(data, 4)[0]:
+                raise ManifestError("manifest object truncated", version=version)
+            end = head + _TAIL_LEN.unpack_from(data, 4)[0]
+            data, tail = data[head:end], data[end:]
         try:
             doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30))
             if doc.get("format") != FORMAT:
@@ -157,7 +178,7 @@ class Manifest:
             ]
             return cls(
                 doc["version"], bool(doc["keyframe"]), doc["base"], int(doc["chunk_bytes"]),
-                list(doc["shards"]), tensors, dict(doc.get("files", {})), dict(doc.get("meta", {})),
+                list(doc["shards"]), tensors, dict(doc.get("files", {})), dict(doc.get("meta", {})), tail,
             )
         except ManifestError:
             raise

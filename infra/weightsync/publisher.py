@@ -10,7 +10,9 @@ shards of ``shard_bytes`` (default 32 MiB) that upload on ``io_threads`` threads
 continues, with at most ``2 * io_threads`` shards queued. Delta frames go to smaller shards
 (``delta_shard_bytes``, default 256 KiB): a small delta then uploads while the rest of the model
 is still being encoded, instead of as one object after the last chunk (at lr 1e-6 the whole delta
-is ~0.75 MB, 15 ms of a 50 MB/s link, that now overlaps encoding). Peak extra memory over the base copy is
+is ~0.75 MB, 15 ms of a 50 MB/s link, that now overlaps encoding); the last, partly filled delta
+shard is not uploaded on its own but carried by the manifest object, so one PUT follows the last
+chunk. Peak extra memory over the base copy is
 therefore about ``2*threads*chunk_bytes*3 + (2*io_threads+2)*shard_bytes`` (~350 MiB at defaults,
 only reached by keyframes; a delta at lr 1e-6 is ~0.5% of the model and fits in one shard).
 A version becomes visible when its manifest is written, after every shard upload succeeded; if
@@ -37,6 +39,7 @@ from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.hotwords import HotWords
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
+    TAIL_SHARD,
     ChunkEntry,
     Manifest,
     TensorEntry,
@@ -96,6 +99,15 @@ class _Shards:
         if self.size >= self.limit:
             self.flush()
         return loc
+
+    def take_tail(self, name: str) -> bytes:
+        """The frames not yet uploaded, as shard ``name`` (carried by the manifest object)."""
+        if not self.parts:
+            return b""
+        self.names[-1] = name
+        tail = b"".join(self.parts)
+        self.parts, self.size = [], 0
+        return tail
 
     def flush(self) -> None:
         if not self.parts:
@@ -280,7 +292,7 @@ class VersionPublisher:
                 while len(pending) > 2 * self.io_threads:
                     pending.popleft().result()
             kshards.flush()
-            dshards.flush()
+            tail = dshards.take_tail(TAIL_SHARD)  # uploaded with the manifest: one PUT fewer at the end
             if is_key:  # the marker goes up with the last shards (it must exist before the manifest)
                 pending.append(io.submit(self.store.put, f"{vdir}/{KEYFRAME_MARK}", b""))
             file_digests, file_bytes = self._put_files(files or {})
@@ -299,6 +311,7 @@ class VersionPublisher:
                 ],
                 files=file_digests,
                 meta=dict(meta or {}),
+                tail=tail,
             )
             # shard indices in entries are per kind; make them indices into man.shards
             off = len(shard_names)

@@ -49,7 +49,7 @@ from infra.weightsync.errors import (
     WeightSyncError,
     WrongBase,
 )
-from infra.weightsync.layout import Manifest, digest, files_key, manifest_key, scan_versions, version_dir
+from infra.weightsync.layout import TAIL_SHARD, Manifest, digest, files_key, manifest_key, scan_versions, version_dir
 from infra.weightsync.publisher import chunk_bounds
 from infra.weightsync.rawbytes import (
     bytes_to_tensor,
@@ -413,6 +413,12 @@ class VersionReader:
     def _download(self, r: _Range, steps: list[tuple[int, str, Manifest]]) -> bytes:
         v, _kind, man = steps[r.step]
         first = man.tensors[r.frames[0][0]].name
+        if r.key.endswith("/" + TAIL_SHARD):  # frames that came with the manifest
+            data = man.tail[r.start : r.start + r.length]
+            if len(data) != r.length:
+                raise CorruptData(f"manifest carries {len(man.tail)} bytes of frames, a frame ends at "
+                                  f"{r.start + r.length}", version=v, tensor=first)
+            return data
         try:
             data = self.store.get_range(r.key, r.start, r.length)
         except ObjectNotFound:

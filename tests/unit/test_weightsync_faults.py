@@ -39,7 +39,8 @@ def store(tmp_path: Path) -> FileStore:
 def _history(store: FileStore, n: int = 4, k: int = 2) -> list[dict[str, torch.Tensor]]:
     """Versions 1..n with keyframes every k (k=2: keyframes 1, 3; deltas 2, 4)."""
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=k, chunk_bytes=16 << 10)
+    # small delta shards, so each delta has shard objects besides the frames its manifest carries
+    pub = VersionPublisher(store, PREFIX, keyframe_every=k, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
     out = []
     for _ in range(n):
         out.append(d.bf16())
@@ -120,6 +121,36 @@ def test_corrupt_manifest(store: FileStore) -> None:
     with pytest.raises(ManifestError) as err:
         VersionReader(store, PREFIX, strict=True).fetch(2)
     assert err.value.version == 2
+
+
+def test_frames_carried_by_the_manifest(store: FileStore) -> None:
+    """The last delta frames ride in the manifest object: a flipped byte there is a CorruptData
+    naming version and tensor, a cut-off object a ManifestError; the keyframe recovers either way."""
+    h = _history(store, n=4, k=2)  # keyframes 1, 3; deltas 2, 4
+    p = _path(store, 4, "manifest.json.zst")
+    blob = p.read_bytes()
+    man = VersionReader(store, PREFIX).manifest(4)
+    assert blob[:4] == b"DLM2" and man.tail and "@manifest" in man.shards
+    assert not (p.parent / "@manifest").exists()
+    have, _ = VersionReader(store, PREFIX).fetch(3)
+    bad = bytearray(blob)
+    bad[-len(man.tail) // 2] ^= 0x10  # inside the carried frames
+    p.write_bytes(bytes(bad))
+    with pytest.raises(CorruptData) as err:
+        VersionReader(store, PREFIX, strict=True).fetch(have={k: t.clone() for k, t in have.items()}, have_version=3)
+    assert err.value.version == 4 and err.value.tensor
+    p.write_bytes(blob[: len(blob) - len(man.tail) // 2])  # cut inside the carried frames
+    with pytest.raises(CorruptData):
+        VersionReader(store, PREFIX, strict=True).fetch(4)
+    p.write_bytes(blob[:6])  # cut inside the header
+    with pytest.raises(ManifestError):
+        VersionReader(store, PREFIX, strict=True).fetch(4)
+    rd = VersionReader(store, PREFIX)  # not strict: the newest intact keyframe
+    got, v = rd.fetch()
+    assert v == 3 and same(got, h[2]) and rd.last_errors
+    p.write_bytes(blob)
+    got, v = VersionReader(store, PREFIX, strict=True).fetch(have=have, have_version=3)
+    assert v == 4 and same(got, h[3])
 
 
 _KILLED_PUBLISHER = r"""
