@@ -127,7 +127,7 @@ class VersionReader:
             except ObjectNotFound:
                 raise VersionNotFound("not committed (no manifest) or collected", version=version) from None
             man = Manifest.from_bytes(data, version)
-            if len(self._manifests) > 256:
+            if len(self._manifests) > 64:  # (they carry the last delta frames: <= delta_shard_bytes each)
                 self._manifests.pop(next(iter(self._manifests)))
             self._manifests[version] = man
         return man

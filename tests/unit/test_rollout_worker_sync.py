@@ -56,7 +56,8 @@ def test_worker_applies_deltas_in_place_and_recovers_from_a_failed_fetch(tmp_pat
     worker = RolloutWorker(cfg, {"store_uri": f"file://{store_dir}", "run_id": "r"})
     store = FileStore(store_dir)
     prefix = run_key("r", None, "weights")
-    pub = VersionPublisher(store, prefix, keyframe_every=100)
+    # small delta shards: the corruption below needs a shard object (the last frames ride in the manifest)
+    pub = VersionPublisher(store, prefix, keyframe_every=100, delta_shard_bytes=1 << 10)
     states = _states(worker, 5)
 
     pub.publish(states[0])
