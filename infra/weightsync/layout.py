@@ -159,9 +159,9 @@ class Manifest:
         tail = b""
         if data[:4] == _TAIL_MAGIC:
             head = 4 + _TAIL_LEN.size
-            if len(data) < head or len(data) < head + _TAIL_LEN.unpack_from(data, 4)[0]:
+            end = head + _TAIL_LEN.unpack_from(data, 4)[0] if len(data) >= head else -1
+            if end < 0 or end > len(data):
                 raise ManifestError("manifest object truncated", version=version)
-            end = head + _TAIL_LEN.unpack_from(data, 4)[0]
             data, tail = data[head:end], data[end:]
         try:
             doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30))

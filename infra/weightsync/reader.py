@@ -78,6 +78,7 @@ class _Range:
     start: int
     length: int
     frames: list[tuple[int, int, int, int]] = field(default_factory=list)  # tensor, chunk, rel off, len
+    inline: bool = False  # frames the manifest object carries (``TAIL_SHARD``): nothing to download
 
 
 class VersionReader:
@@ -404,7 +405,8 @@ class VersionReader:
                 cur: _Range | None = None
                 for off, ln, ti, ci in frames:
                     if cur is None or off != cur.start + cur.length or cur.length + ln > self.range_bytes:
-                        cur = _Range(si, f"{version_dir(self.prefix, v)}/{man.shards[shard]}", off, 0)
+                        name = man.shards[shard]
+                        cur = _Range(si, f"{version_dir(self.prefix, v)}/{name}", off, 0, inline=name == TAIL_SHARD)
                         out.append(cur)
                     cur.frames.append((ti, ci, off - cur.start, ln))
                     cur.length += ln
@@ -413,7 +415,7 @@ class VersionReader:
     def _download(self, r: _Range, steps: list[tuple[int, str, Manifest]]) -> bytes:
         v, _kind, man = steps[r.step]
         first = man.tensors[r.frames[0][0]].name
-        if r.key.endswith("/" + TAIL_SHARD):  # frames that came with the manifest
+        if r.inline:  # frames that came with the manifest
             data = man.tail[r.start : r.start + r.length]
             if len(data) != r.length:
                 raise CorruptData(f"manifest carries {len(man.tail)} bytes of frames, a frame ends at "
