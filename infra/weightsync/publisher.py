@@ -37,6 +37,7 @@ from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
 from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.hotwords import HotWords
+from infra.weightsync.pools import Pools, settle
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
     TAIL_SHARD,
@@ -156,6 +157,7 @@ class VersionPublisher:
         self._digests: dict[str, list[str]] = {}
         self._files: dict[str, str] = {}  # side-file name -> digest already stored
         self._hot = HotWords()  # hot-word lists of the base's chunks, kept across versions
+        self._pools = Pools(self)  # encode and upload threads, made once
         committed, _keys, seen = scan_versions(store.list(self.prefix + "/"))
         self.version = committed[-1] if committed else 0
         for orphan in sorted(v for v in seen if v > self.version):  # left by a killed publisher
@@ -181,6 +183,10 @@ class VersionPublisher:
         self._sig = man.signature()
         self._digests = {t.name: [c.h for c in t.chunks] for t in man.tensors}
         self._files = dict(man.files)
+
+    def close(self) -> None:
+        """Stop this publisher's encode and upload threads (a later publish starts new ones)."""
+        self._pools.close()
 
     # ------------------------------------------------------------------------------- publish
     def publish(
@@ -245,7 +251,10 @@ class VersionPublisher:
         vdir = version_dir(self.prefix, version)
         pending: deque[Future] = deque()
         written = 0
-        with ThreadPoolExecutor(self.threads, "ws-enc") as cpu, ThreadPoolExecutor(self.io_threads, "ws-io") as io:
+        cpu = self._pools.get("enc", self.threads)
+        io = self._pools.get("io", self.io_threads)
+        window: deque[tuple[tuple, Future]] = deque()
+        try:
             kshards = _Shards(self.store, vdir, "k", self.shard_bytes, io, pending)
             dshards = _Shards(self.store, vdir, "d", self.delta_shard_bytes, io, pending)
             new_base = base if base is not None else {n: np.empty_like(words[n]) for n in names}
@@ -256,7 +265,6 @@ class VersionPublisher:
                     jobs.append((n, ci, s, e))
             entries: dict[str, list[ChunkEntry]] = {n: [] for n in names}
             changed = total = 0
-            window: deque[tuple[tuple, Future]] = deque()
             it = iter(jobs)
 
             def job(n: str, ci: int, s: int, e: int) -> EncodedChunk:
@@ -323,6 +331,9 @@ class VersionPublisher:
             while pending:
                 pending.popleft().result()
             written += kshards.written + dshards.written + file_bytes
+        except BaseException:
+            settle([f for _, f in window] + list(pending))  # nothing may still write to new_base
+            raise
         self.store.put(manifest_key(self.prefix, version), blob)  # commit point
         written += len(blob)
         self.version = version

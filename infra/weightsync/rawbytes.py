@@ -34,6 +34,9 @@ def tensor_bytes(t: "torch.Tensor") -> np.ndarray:
     """The tensor's bytes as a flat uint8 numpy array (a view when already contiguous on CPU)."""
     import torch
 
+    if t.device.type == "cpu" and t.dim() > 0 and t.is_contiguous() and t.dtype != torch.uint8:
+        # the usual case, in half the torch calls (a publish or fetch does this for every tensor)
+        return t.detach().view(torch.uint8).numpy().reshape(-1)
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

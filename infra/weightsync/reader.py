@@ -50,6 +50,7 @@ from infra.weightsync.errors import (
     WrongBase,
 )
 from infra.weightsync.layout import TAIL_SHARD, Manifest, digest, files_key, manifest_key, scan_versions, version_dir
+from infra.weightsync.pools import Pools, settle
 from infra.weightsync.publisher import chunk_bounds
 from infra.weightsync.rawbytes import (
     bytes_to_tensor,
@@ -104,11 +105,16 @@ class VersionReader:
         self._manifests: dict[int, Manifest] = {}
         self.last_errors: list[WeightSyncError] = []
         self.last_stats: dict[str, object] = {}
+        self._pools = Pools(self)  # download and decode threads, made once
 
     # ------------------------------------------------------------------------------ listing
     def _scan(self) -> tuple[list[int], set[int]]:
         committed, keyframes, _seen = scan_versions(self.store.list(self.prefix + "/"))
         return committed, keyframes
+
+    def close(self) -> None:
+        """Stop this reader's download and decode threads (a later fetch starts new ones)."""
+        self._pools.close()
 
     def versions(self) -> list[int]:
         """Committed versions, oldest first."""
@@ -373,18 +379,22 @@ class VersionReader:
                     raise WrongBase("the tensors given are not the claimed version", version=have_version,
                                     tensor=tensors[ti].name)
 
-            with ThreadPoolExecutor(self.threads) as pool:
-                for f in [pool.submit(check, ti, ci) for ti, ci in untouched]:
+            pool = self._pools.get("dec", self.threads)
+            checks = [pool.submit(check, ti, ci) for ti, ci in untouched]
+            try:
+                for f in checks:
                     f.result()
+            finally:
+                settle(checks)
         out: dict[str, "torch.Tensor"] = {}
         for t, b in zip(tensors, bufs):
-            tt = bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape))
             if inplace and have is not None:
                 h = have[t.name]
-                if h.data_ptr() != tt.data_ptr():
-                    h.copy_(tt)
-                tt = h
-            out[t.name] = tt
+                if not (h.device.type == "cpu" and h.is_contiguous()):  # we patched a copy: write it back
+                    h.copy_(bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape)))
+                out[t.name] = h
+            else:
+                out[t.name] = bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape))
         return out
 
     def _ranges(self, steps: list[tuple[int, str, Manifest]]) -> list[_Range]:
@@ -458,8 +468,9 @@ class VersionReader:
         used = 0
         current = 0
         error: BaseException | None = None
-        with ThreadPoolExecutor(self.io_threads, "ws-get") as io, ThreadPoolExecutor(self.threads, "ws-dec") as cpu:
-
+        io = self._pools.get("get", self.io_threads)
+        cpu = self._pools.get("dec", self.threads)
+        try:
             def track(kind: str, r: _Range, fut: Future) -> None:
                 nonlocal outstanding
                 outstanding += 1
@@ -510,8 +521,8 @@ class VersionReader:
                 if left_in_range[id(r)] == 0:
                     used -= r.length
                 advance()
-            for f in started:
-                f.cancel()
+        finally:
+            settle(started)  # nothing left running that could still write into the buffers
         if prepare is not None and error is None:  # nothing was downloaded
             prepare()
         if error is not None:
