@@ -450,6 +450,8 @@ class VersionReader:
         """Download ranges (bounded bytes in flight) and decode each once earlier steps are applied.
 
         ``prepare`` runs once, after the first downloads are on their way and before any decode.
+        Frames the manifest carried are decoded right after it, without a trip through the download
+        threads (on a busy machine each hand-off between threads waits for the GIL).
 
         Completions arrive on one queue (futures' done-callbacks), so the loop does O(1) work per
         finished download or decode. (``concurrent.futures.wait`` over every pending future costs
@@ -490,17 +492,34 @@ class VersionReader:
                         dispatch(r, data)
 
             advance()
+            ready: list[_Range] = []  # frames the manifest carried: no download, no thread hop
             while error is None and (pending or outstanding):
                 while pending and downloading < 2 * self.io_threads and (
                     used == 0 or used + pending[0].length <= self.budget_bytes
                 ):
                     r = pending.popleft()
                     used += r.length
+                    if r.inline:
+                        ready.append(r)
+                        continue
                     downloading += 1
                     track("get", r, io.submit(self._download, r, steps))
                 if prepare is not None:  # while the first ranges download
                     prepare()
                     prepare = None
+                for r in ready:  # decode them now, while the others download
+                    try:
+                        data = self._download(r, steps)
+                    except WeightSyncError as exc:
+                        error = exc
+                        break
+                    if r.step == current:
+                        dispatch(r, data)
+                    else:
+                        parked[r.step].append((r, data))
+                ready.clear()
+                if error is not None or not outstanding:
+                    continue
                 kind, r, f = events.get()
                 outstanding -= 1
                 exc = f.exception()
