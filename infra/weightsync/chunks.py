@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infra.weightsync.codec import CodecName, decode_into, encode_delta, encode_raw
+from infra.weightsync.codec import CodecName, decode_digest, decode_into, encode_delta, encode_raw
 from infra.weightsync.hotwords import ChunkHot
 from infra.weightsync.layout import digest
 
@@ -74,6 +74,12 @@ def apply_frame(frame: bytes | memoryview, buf: np.ndarray, expect: str, hot: Ch
 
     ``hot``: the hot-word list of ``buf``; updated to the decoded words when the digest matches.
     (On a mismatch the caller must drop its hot lists: ``buf`` is no longer a known version.)"""
+    if hot is None:  # the reader's case: one native call for decode + digest when possible
+        got = decode_digest(frame, buf)
+        if got is not None:
+            if got != expect:
+                raise ChecksumMismatch("checksum mismatch after decoding")
+            return
     idx = decode_into(frame, buf, hot)
     if digest(buf) != expect:
         raise ChecksumMismatch("checksum mismatch after decoding")

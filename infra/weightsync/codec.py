@@ -148,6 +148,22 @@ def frame_tag(frame: bytes | memoryview) -> str:
     return TAG_NAMES.get(frame[0], "?")
 
 
+def decode_digest(frame: bytes | memoryview, buf: np.ndarray) -> str | None:
+    """:func:`decode_into` a sparse frame and return the xxh3-128 hex digest of ``buf`` after it,
+    in one native call that holds no GIL (:func:`kernels.apply_sparse_digest`).
+
+    None, with ``buf`` untouched, for anything else (raw and xor frames, a header that does not
+    fit ``buf``, no native path): the caller then decodes with :func:`decode_into`, which also
+    gives the precise error for a bad header."""
+    mv = memoryview(frame)
+    if len(mv) < _HDR.size:
+        return None
+    tag, w, n = _HDR.unpack_from(mv, 0)
+    if tag != TAG_SPARSE or w != buf.dtype.itemsize or n != len(buf):
+        return None
+    return kernels.apply_sparse_digest(np.frombuffer(mv[_HDR.size :], np.uint8), buf)
+
+
 def decode_into(frame: bytes | memoryview, buf: np.ndarray, hot: kernels.HotSource | None = None) -> np.ndarray | None:
     """Apply ``frame`` to ``buf`` in place: ``buf`` holds the base words (ignored for raw frames).
 

@@ -795,6 +795,38 @@ if HAVE_NUMBA:
             p = idx[i]
             buf[p] = (np.uint64(buf[p]) + d) & full
 
+    from infra.weightsync import native as _native
+
+    if _native.AVAILABLE:
+        _xxh3, _unzstd = _native.xxh3_128, _native.zstd_decompress
+        _ZERR = np.uint64(_native.ZSTD_ERROR_MIN)
+
+        @_jit
+        def _nb_apply_sparse(body: Any, buf: Any, magmask: Any, w: int, kshift: int, kmask: int,
+                             full: Any) -> Any:  # pragma: no cover
+            """A whole sparse frame body applied to ``buf`` in place, then XXH3-128 of ``buf``:
+            positions (with the hot-class scan), zstd of the value planes, the scatter and the
+            digest in one ``nogil`` call. Returns ``(changed, low64, high64)``; raises ValueError
+            on the streams :func:`codec.decode_into` rejects, before ``buf`` is modified."""
+            idx, used = _nb_decode_positions(body, buf, magmask)
+            if used + 8 > body.shape[0]:
+                raise ValueError("sparse frame truncated")
+            vlen = _nb_get_le(body, used, 8)
+            used += 8
+            if vlen > np.uint64(body.shape[0] - used) or np.int64(vlen) != body.shape[0] - used:
+                raise ValueError("sparse frame length mismatch (truncated or trailing bytes)")
+            m = idx.shape[0]
+            if m > 0:
+                planes = np.empty(m * w, np.uint8)
+                got = _unzstd(planes.ctypes.data, np.uint64(m * w), body.ctypes.data + np.uint64(used), vlen)
+                if got >= _ZERR:
+                    raise ValueError("corrupt zstd stream")
+                if got != np.uint64(m * w):
+                    raise ValueError("value stream decompressed to the wrong size")
+                _nb_apply(buf, idx, planes, w, kshift, kmask, full)
+            lo, hi = _xxh3(buf.ctypes.data, np.uint64(buf.nbytes))
+            return m, lo, hi
+
 
 # --------------------------------------------------------------------------------- dispatch
 
@@ -914,6 +946,21 @@ def apply_values(buf: np.ndarray, idx: np.ndarray, planes: np.ndarray) -> None:
     _nb_apply(buf, idx, planes, w, sh, km, _full(w))
 
 
+def apply_sparse_digest(body: np.ndarray, buf: np.ndarray) -> str | None:
+    """Apply a sparse frame body (``body``: uint8, from its position mode byte) to ``buf`` in place
+    and return the xxh3-128 hex digest of the result, in one native call (:mod:`native`).
+
+    None when that path is not available (numpy twins, no native symbols, a non-contiguous
+    ``buf``): the caller then runs the steps one by one, with the same result and errors."""
+    fused = globals().get("_nb_apply_sparse")
+    if fused is None or _impl != "numba" or not buf.flags.c_contiguous:
+        return None
+    w = buf.dtype.itemsize
+    sh, km, mm = _consts(w)
+    _m, lo, hi = fused(body, buf, np.uint64(mm), w, sh, km, _full(w))
+    return f"{int(hi):016x}{int(lo):016x}"
+
+
 _warm = False
 
 
@@ -939,6 +986,8 @@ def warm_up() -> None:
             if frame is not None:
                 codec.decode_into(frame, old.copy())
                 codec.decode_into(bytearray(frame), old.copy())
+                codec.decode_digest(frame, old.copy())  # the reader's fused path
+                codec.decode_digest(bytearray(frame), old.copy())
             # the publisher's kept hot lists (scan, filter, update) and the split position code
             hot = hot_words(o, 1 << 4)
             hot_filter(hot, o, 1 << 3)

@@ -1,0 +1,119 @@
+"""The one-call native decode (positions, zstd, scatter, xxh3 in one nogil kernel) gives exactly what
+the step-by-step decode gives: the same words, the same digest, the same rejections."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+
+from infra.weightsync import codec, kernels, native
+from infra.weightsync.layout import digest
+
+needs_native = pytest.mark.skipif(not (kernels.HAVE_NUMBA and native.AVAILABLE),
+                                  reason="numba or the native xxh3/zstd symbols are not available")
+
+
+def _case(rng: np.random.Generator, trial: int) -> tuple[np.ndarray, np.ndarray]:
+    """Words of every width with sparse +-small changes; every third case has a rare tiny-magnitude
+    class that changes (so the encoder splits the positions by the base's magnitude)."""
+    dt = [np.uint8, np.uint16, np.uint32, np.uint64][trial % 4]
+    w = np.dtype(dt).itemsize
+    n = int(rng.integers(1, 30000))
+    old = rng.integers(0, 1 << min(63, 8 * w), n, dtype=np.uint64).astype(dt)
+    new = old.copy()
+    changed = rng.random(n) < rng.choice([0.0005, 0.004, 0.05, 0.2])
+    new[changed] += rng.integers(1, 9, n).astype(dt)[changed]
+    if trial % 3 == 0:
+        tiny = rng.random(n) < 0.01
+        old[tiny] &= dt((1 << max(1, 8 * w - 5)) - 1)
+        new[tiny] = old[tiny] + dt(3)
+    return old, new
+
+
+@needs_native
+def test_native_xxh3_matches_xxhash_for_every_length_path() -> None:
+    import numba
+
+    @numba.njit
+    def h(a: np.ndarray) -> tuple[int, int]:
+        return native.xxh3_128(a.ctypes.data, np.uint64(a.nbytes))
+
+    rng = np.random.default_rng(1)
+    for n in [*range(0, 260), 1023, 1024, 1025, 4096, 65536 + 3, (1 << 20) + 17]:
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        lo, hi = h(a)
+        assert f"{int(hi):016x}{int(lo):016x}" == xxhash.xxh3_128_hexdigest(a), n
+
+
+@needs_native
+def test_fused_decode_equals_step_by_step_decode() -> None:
+    rng = np.random.default_rng(5)
+    fused = 0
+    for trial in range(200):
+        old, new = _case(rng, trial)
+        frame = codec.encode_delta(old, new, "sparse")[0]
+        if frame is None:
+            continue
+        buf = old.copy()
+        got = codec.decode_digest(frame, buf)
+        assert got is not None
+        fused += 1
+        assert np.array_equal(buf, new), trial
+        assert got == digest(new), trial
+        ro = old.copy()  # read-only frame bytes and a second call on fresh words give the same
+        assert codec.decode_digest(bytes(frame), ro) == got
+    assert fused > 150
+
+
+@needs_native
+def test_fused_decode_accepts_exactly_the_frames_that_give_the_right_words() -> None:
+    """Corrupt and truncated frames: the fused decode raises ValueError before touching the words,
+    or (zstd versions differ in which damage they detect) returns a digest that is not the expected
+    one; a frame is accepted (digest == expected) exactly when the words are right, as in the
+    step-by-step decode. Errors in the frame header and position stream are the same ones."""
+    from infra.weightsync.chunks import apply_frame
+
+    rng = np.random.default_rng(9)
+    for trial in range(120):
+        old, new = _case(rng, trial)
+        frame = codec.encode_delta(old, new, "sparse")[0]
+        if frame is None:
+            continue
+        want = digest(new)
+        bads = [frame[: int(rng.integers(codec._HDR.size + 1, len(frame)))], frame + b"\0"]
+        for _ in range(3):
+            bad = bytearray(frame)
+            j = int(rng.integers(codec._HDR.size, len(bad)))
+            bad[j] ^= 1 << int(rng.integers(0, 8))
+            bads.append(bytes(bad))
+        for bad in bads:
+            one = old.copy()
+            try:
+                got = codec.decode_digest(bad, one)
+            except ValueError:
+                assert np.array_equal(one, old), "a rejected frame must not touch the words"
+                got = None
+            if got is not None:
+                assert (got == want) == np.array_equal(one, new), trial
+            buf = old.copy()
+            try:
+                apply_frame(bad, buf, want)
+                accepted = True
+            except ValueError:  # (ChecksumMismatch is one)
+                accepted = False
+            if accepted:  # never the wrong words
+                assert np.array_equal(buf, new), trial
+
+
+def test_fused_decode_declines_other_frames() -> None:
+    rng = np.random.default_rng(2)
+    old = rng.integers(0, 1 << 16, 5000, dtype=np.uint64).astype(np.uint16)
+    new = old ^ np.uint16(1)
+    for frame in (codec.encode_xor(old, new, 1), codec.encode_raw(new, 1), b"\x03"):
+        buf = old.copy()
+        assert codec.decode_digest(frame, buf) is None
+        assert np.array_equal(buf, old)
+    sparse = codec.encode_delta(old, old + np.uint16(1) * (np.arange(5000) % 50 == 0), "sparse")[0]
+    assert sparse is not None
+    assert codec.decode_digest(sparse, old[:-1].copy()) is None  # header does not fit the buffer
