@@ -11,8 +11,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infra.weightsync.codec import CodecName, decode_digest, decode_into, encode_delta, encode_raw
-from infra.weightsync.hotwords import ChunkHot
+from infra.weightsync import kernels
+from infra.weightsync.codec import (
+    DENSE_FRACTION,
+    CodecName,
+    decode_digest,
+    decode_into,
+    encode_delta,
+    encode_raw,
+    sparse_frame,
+)
+from infra.weightsync.hotwords import MARGIN, ChunkHot
 from infra.weightsync.layout import digest
 
 
@@ -50,6 +59,10 @@ def encode_chunk(
             if hot is not None:
                 hot.changed(None)
         return EncodedChunk(kf, None, digest(new), len(new))
+    if hot is not None and old is update_base and codec != "xor":  # the publisher's case
+        native = _encode_native(old, new, codec, level, prev_digest, hot)
+        if native is not None:
+            return EncodedChunk(kf, *native)
     frame, idx = encode_delta(old, new, codec, level, hot if old is update_base else None)
     if frame is None:
         return EncodedChunk(kf, None, prev_digest if prev_digest is not None else digest(new), 0)
@@ -63,6 +76,23 @@ def encode_chunk(
         if hot is not None:
             hot.changed(idx if old is update_base else None)
     return EncodedChunk(kf, frame, h, changed)
+
+
+def _encode_native(old: np.ndarray, new: np.ndarray, codec: CodecName, level: int, prev_digest: str | None,
+                   hot: ChunkHot) -> tuple[bytes | None, str, int] | None:
+    """``(delta frame, digest, changed)`` from one native call that also updates ``old`` (the
+    base) and its hot list (:func:`kernels.encode_sparse_update`); the same frame and state as the
+    step-by-step path. None when that call is not available or the chunk is dense (then the
+    caller compares codecs step by step; nothing was touched)."""
+    dense_max = len(new) if codec == "sparse" else int(DENSE_FRACTION * len(new))
+    got = kernels.encode_sparse_update(old, new, hot.entry(), MARGIN, dense_max)
+    if got is None or got[0] == 2:
+        return None
+    status, changed, planes, positions, kept, looked, h = got
+    if status == 0:
+        return None, prev_digest if prev_digest is not None else digest(new), 0
+    hot.replace(kept, looked)
+    return sparse_frame(planes, positions, new.dtype.itemsize, len(new), changed, level), h, changed
 
 
 class ChecksumMismatch(ValueError):

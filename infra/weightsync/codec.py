@@ -112,10 +112,15 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, level: int, idx: np.ndarray 
     ``hot``: the hot-word list of ``old`` from a cache (:mod:`infra.weightsync.hotwords`), else scanned."""
     if idx is None:
         idx = changed_positions(old, new)
-    w = new.dtype.itemsize
     planes, positions = kernels.sparse_parts(old, new, idx, hot)
-    values = _cctx(level).compress(planes) if len(idx) else b""
-    return b"".join((_HDR.pack(TAG_SPARSE, w, len(new)), positions, _SPARSE_LEN.pack(len(values)), values))
+    return sparse_frame(planes, positions, new.dtype.itemsize, len(new), len(idx), level)
+
+
+def sparse_frame(planes: np.ndarray, positions: bytes | np.ndarray, w: int, n: int, changed: int,
+                 level: int) -> bytes:
+    """A sparse frame from its parts (value planes of ``changed`` words, position stream)."""
+    values = _cctx(level).compress(planes) if changed else b""
+    return b"".join((_HDR.pack(TAG_SPARSE, w, n), positions, _SPARSE_LEN.pack(len(values)), values))
 
 
 def encode_delta(

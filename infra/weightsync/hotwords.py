@@ -65,6 +65,22 @@ class ChunkHot:
             return hot
         return kernels.hot_filter(hot, self.words, thr)
 
+    def entry(self) -> tuple[int, np.ndarray] | None:
+        """The kept ``(cap, list)`` of this chunk, or None (for the native encoder)."""
+        return self.cache._lists.get(self.key)
+
+    def replace(self, entry: tuple[int, np.ndarray] | None, looked: int) -> None:
+        """Store what the native encoder left: the list after the chunk's change (None: drop it);
+        ``looked`` 1 counts a hit, 2 a scan, as :meth:`__call__` does."""
+        if entry is None:
+            self.cache._lists.pop(self.key, None)
+        else:
+            self.cache._lists[self.key] = entry
+        if looked == 2:
+            self.cache.scans += 1
+        elif looked == 1:
+            self.cache.hits += 1
+
     def changed(self, idx: np.ndarray | None) -> None:
         """The words at ``idx`` (sorted) now hold new values; None: any word may have changed."""
         ent = self.cache._lists.get(self.key)

@@ -263,10 +263,14 @@ if HAVE_NUMBA:
                 for a in range(i, i + 4):
                     y = o[a] ^ n[a]
                     k = _emit_lanes((((y & low) + low) | y) & high, a, per, lane_bits, out, k)
+                    if k < 0:  # ``out`` is full
+                        return -1
             i += 4
         for a in range(i, m):
             y = o[a] ^ n[a]
             k = _emit_lanes((((y & low) + low) | y) & high, a, per, lane_bits, out, k)
+            if k < 0:
+                return -1
         return k
 
     @_jit
@@ -274,6 +278,8 @@ if HAVE_NUMBA:
         k = 0
         for i in range(o.shape[0]):
             if o[i] != n[i]:
+                if k >= out.shape[0]:
+                    return -1
                 out[k] = i
                 k += 1
         return k
@@ -827,6 +833,58 @@ if HAVE_NUMBA:
             lo, hi = _xxh3(buf.ctypes.data, np.uint64(buf.nbytes))
             return m, lo, hi
 
+        @_jit
+        def _nb_encode_sparse(old: Any, new: Any, o64: Any, n64: Any, per: int, high: Any, w: int,
+                              kshift: int, kmask: int, magmask: Any, full: Any, dense_max: int,
+                              hot: Any, cap: Any, margin: Any) -> Any:  # pragma: no cover
+            """The publisher's whole sparse encode of one chunk but zstd, in one ``nogil`` call.
+
+            ``old`` is the publisher's base (updated to ``new`` here), ``o64``/``n64`` its uint64
+            views (``per`` words each; empty for the plain compare); ``hot``/``cap`` the kept hot
+            list of ``old`` (``cap`` 0: none). Returns ``(status, changed, planes, positions,
+            hot, cap, looked, low64, high64)``: status 0 = nothing changed (nothing touched), 1 =
+            sparse frame parts + XXH3-128 of ``new`` (base and hot list updated), 2 = more than
+            ``dense_max`` changed (nothing touched: the caller compares codecs instead)."""
+            n = new.shape[0]
+            empty = np.zeros(0, np.uint8)
+            size = 1024 + n // 16
+            while True:  # most chunks change in far fewer than 1/16 of their words
+                out = np.empty(size, np.int64)
+                m = _nb_changed64(o64, n64, per, high, out) if per > 0 else _nb_changed_plain(old, new, out)
+                if m >= 0:
+                    break
+                size = n + 8
+            idx = out[:m]
+            if m == 0:
+                return 0, 0, empty, empty, hot, cap, 0, _U0, _U0
+            if m > dense_max:
+                return 2, m, empty, empty, hot, cap, 0, _U0, _U0
+            planes, _base, zz, keys = _nb_values(old, new, idx, w, kshift, kmask, full)
+            t = _nb_split_threshold(zz, keys)
+            looked = 0  # the hot list: 0 not needed, 1 kept list used, 2 scanned
+            if t == 0:
+                positions = _nb_positions_plain(idx)
+            else:
+                looked = 1
+                thr = np.uint64(t) << np.uint64(kshift)
+                if thr > magmask + _U1:
+                    thr = magmask + _U1
+                if cap == _U0 or thr > cap:  # as ChunkHot: scan once with headroom, keep the list
+                    cap = thr + margin
+                    if cap > magmask + _U1:
+                        cap = magmask + _U1
+                    hot = _nb_hot_words(old, magmask, cap)
+                    looked = 2
+                hw = hot if thr >= cap else _nb_hot_filter(hot, old, magmask, thr)
+                positions = _nb_positions_hot(idx, hw, np.uint64(np.uint64(t) << np.uint64(kshift)), n)
+            lo, hi = _xxh3(new.ctypes.data, np.uint64(new.nbytes))
+            for i in range(m):
+                p = idx[i]
+                old[p] = new[p]
+            if cap != _U0:
+                hot = _nb_hot_update(hot, idx, old, magmask, cap)
+            return 1, m, planes, positions, hot, cap, looked, lo, hi
+
 
 # --------------------------------------------------------------------------------- dispatch
 
@@ -946,6 +1004,41 @@ def apply_values(buf: np.ndarray, idx: np.ndarray, planes: np.ndarray) -> None:
     _nb_apply(buf, idx, planes, w, sh, km, _full(w))
 
 
+_NO_HOT = np.zeros(0, np.int64)
+_NO_WORDS = np.zeros(0, np.uint64)
+
+
+def encode_sparse_update(old: np.ndarray, new: np.ndarray, hot: tuple[int, np.ndarray] | None,
+                         margin: int, dense_max: int) -> tuple | None:
+    """The publisher's sparse encode of one chunk in one native call (see ``_nb_encode_sparse``):
+    changed words, value planes, position stream (with the kept hot list ``hot`` = ``(cap, list)``
+    of ``old``, rebuilt with ``margin`` headroom when it does not cover the threshold), XXH3-128 of
+    ``new``, ``old`` made equal to ``new`` and the hot list updated.
+
+    Returns ``(status, changed, planes, positions, (cap, list) or None, looked, hexdigest)``
+    (``looked``: 0 the hot list was not needed, 1 the kept one served, 2 it was scanned)
+    (status 0: unchanged, 1: encoded, 2: over ``dense_max`` changes, nothing touched), or None when
+    the native path is not available; the bytes are those of :func:`sparse_parts`."""
+    fused = globals().get("_nb_encode_sparse")
+    if (fused is None or _impl != "numba" or old.dtype != new.dtype or len(old) != len(new)
+            or not (old.flags.c_contiguous and new.flags.c_contiguous and old.flags.writeable)):
+        return None
+    n, w = len(new), new.dtype.itemsize
+    per = 8 // w
+    if w < 8 and n % per == 0:
+        o64, n64 = old.view(np.uint64), new.view(np.uint64)
+        high = np.uint64(int.from_bytes(((1 << (8 * w - 1)).to_bytes(w, "little")) * per, "little"))
+    else:
+        o64, n64, per, high = _NO_WORDS, _NO_WORDS, 0, np.uint64(0)
+    sh, km, mm = _consts(w)
+    cap, lst = hot if hot is not None else (0, _NO_HOT)
+    status, m, planes, positions, lst, cap, looked, lo, hi = fused(
+        old, new, o64, n64, per, high, w, sh, km, np.uint64(mm), _full(w), dense_max,
+        lst, np.uint64(cap), np.uint64(margin << sh))
+    kept = (int(cap), lst) if int(cap) else None
+    return int(status), int(m), planes, positions, kept, int(looked), f"{int(hi):016x}{int(lo):016x}"
+
+
 def apply_sparse_digest(body: np.ndarray, buf: np.ndarray) -> str | None:
     """Apply a sparse frame body (``body``: uint8, from its position mode byte) to ``buf`` in place
     and return the xxh3-128 hex digest of the result, in one native call (:mod:`native`).
@@ -988,6 +1081,9 @@ def warm_up() -> None:
                 codec.decode_into(bytearray(frame), old.copy())
                 codec.decode_digest(frame, old.copy())  # the reader's fused path
                 codec.decode_digest(bytearray(frame), old.copy())
+            b = o.copy()  # the publisher's fused path (writable base, new words either way)
+            encode_sparse_update(b, n, None, 2, len(n))
+            encode_sparse_update(b, o, (1 << 4, hot_words(b, 1 << 4)), 2, len(n))
             # the publisher's kept hot lists (scan, filter, update) and the split position code
             hot = hot_words(o, 1 << 4)
             hot_filter(hot, o, 1 << 3)

@@ -117,3 +117,58 @@ def test_fused_decode_declines_other_frames() -> None:
     sparse = codec.encode_delta(old, old + np.uint16(1) * (np.arange(5000) % 50 == 0), "sparse")[0]
     assert sparse is not None
     assert codec.decode_digest(sparse, old[:-1].copy()) is None  # header does not fit the buffer
+
+
+@needs_native
+@pytest.mark.parametrize("codec_name", ["auto", "sparse"])
+def test_fused_encode_equals_step_by_step_encode_across_versions(codec_name: str) -> None:
+    """The publisher's one-call encode writes the same frames and digests and leaves the same base
+    and hot lists as the step-by-step encode, version after version, dense chunks included."""
+    import infra.weightsync.chunks as chunks
+    from infra.weightsync.hotwords import HotWords
+
+    rng = np.random.default_rng(13)
+    used_lists = 0
+    for trial in range(60):
+        old, _ = _case(rng, trial)
+        versions = [old]
+        for _ in range(4):
+            cur = versions[-1].copy()
+            moved = rng.random(len(cur)) < rng.choice([0.002, 0.02, 0.4])  # 0.4: dense chunks
+            cur[moved] += rng.integers(1, 9, len(cur)).astype(cur.dtype)[moved]
+            versions.append(cur)
+        fused_base, step_base = old.copy(), old.copy()
+        fused_hot, step_hot = HotWords(), HotWords()
+        real = chunks._encode_native
+        for v in versions[1:]:
+            a = chunks.encode_chunk(fused_base, v, keyframe=False, codec=codec_name, update_base=fused_base,
+                                    hot=fused_hot.chunk(0, fused_base))
+            chunks._encode_native = lambda *args, **kw: None  # the step-by-step path
+            try:
+                b = chunks.encode_chunk(step_base, v, keyframe=False, codec=codec_name, update_base=step_base,
+                                        hot=step_hot.chunk(0, step_base))
+            finally:
+                chunks._encode_native = real
+            assert a == b, trial
+            assert a.digest == digest(v)
+            assert np.array_equal(fused_base, v) and np.array_equal(step_base, v)
+            fa, fb = fused_hot._lists.get(0), step_hot._lists.get(0)
+            assert (fa is None) == (fb is None)
+            if fa is not None and fb is not None:
+                assert fa[0] == fb[0] and np.array_equal(fa[1], fb[1])
+        assert (fused_hot.hits, fused_hot.scans) == (step_hot.hits, step_hot.scans)
+        used_lists += fused_hot.hits + fused_hot.scans
+    assert used_lists > 20  # the split position code, with kept and rebuilt hot lists, was exercised
+
+
+@needs_native
+def test_fused_encode_of_an_unchanged_chunk_touches_nothing() -> None:
+    from infra.weightsync.chunks import encode_chunk
+    from infra.weightsync.hotwords import HotWords
+
+    rng = np.random.default_rng(4)
+    base = rng.integers(0, 1 << 16, 9000, dtype=np.uint64).astype(np.uint16)
+    lists = HotWords()
+    res = encode_chunk(base, base.copy(), keyframe=False, prev_digest="p" * 32, update_base=base,
+                       hot=lists.chunk(0, base))
+    assert res.delta is None and res.changed == 0 and res.digest == "p" * 32 and len(lists) == 0
