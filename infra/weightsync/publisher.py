@@ -5,7 +5,8 @@ delta never depends on what the caller does to its tensors afterwards. After a d
 base only at the changed positions (a scatter of ~1% of the words instead of a full copy).
 
 Streaming and memory bound: chunks (``chunk_bytes``, default 4 MiB) are encoded by ``threads``
-workers with at most ``2 * threads`` chunks in flight; frames are appended in chunk order to
+workers with at most ``2 * threads`` tasks in flight (a task is one keyframe chunk, or
+``DELTA_TASK_CHUNKS`` delta chunks, whose frames are small); frames are appended in chunk order to
 shards of ``shard_bytes`` (default 32 MiB) that upload on ``io_threads`` threads while encoding
 continues, with at most ``2 * io_threads`` shards queued. Delta frames go to smaller shards
 (``delta_shard_bytes``, default 256 KiB): a small delta then uploads while the rest of the model
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
     from infra.storage import ObjectStore
 
 log = logging.getLogger(__name__)
+
+DELTA_TASK_CHUNKS = 4  # chunks per encode task of a delta version
 
 
 @dataclass
@@ -253,7 +256,7 @@ class VersionPublisher:
         written = 0
         cpu = self._pools.get("enc", self.threads)
         io = self._pools.get("io", self.io_threads)
-        window: deque[tuple[tuple, Future]] = deque()
+        window: deque[tuple[list, Future]] = deque()
         try:
             kshards = _Shards(self.store, vdir, "k", self.shard_bytes, io, pending)
             dshards = _Shards(self.store, vdir, "d", self.delta_shard_bytes, io, pending)
@@ -265,7 +268,10 @@ class VersionPublisher:
                     jobs.append((n, ci, s, e))
             entries: dict[str, list[ChunkEntry]] = {n: [] for n in names}
             changed = total = 0
-            it = iter(jobs)
+            # a delta chunk is ~0.2 ms of kernel: hand them out a few at a time, so the futures and
+            # the GIL-holding bookkeeping per task do not rival the work (keyframe chunks: one each)
+            group = 1 if is_key or base is None else DELTA_TASK_CHUNKS
+            it = iter([jobs[i : i + group] for i in range(0, len(jobs), group)])
 
             def job(n: str, ci: int, s: int, e: int) -> EncodedChunk:
                 cur = new_base[n][s:e]
@@ -275,28 +281,32 @@ class VersionPublisher:
                     update_base=cur, hot=self._hot.chunk((n, ci), cur) if base is not None else None,
                 )
 
+            def task(specs: list[tuple[str, int, int, int]]) -> list[EncodedChunk]:
+                return [job(*spec) for spec in specs]
+
             def submit_next() -> bool:
-                spec = next(it, None)
-                if spec is None:
+                specs = next(it, None)
+                if specs is None:
                     return False
-                window.append((spec, cpu.submit(job, *spec)))
+                window.append((specs, cpu.submit(task, specs)))
                 return True
 
             for _ in range(2 * self.threads):
                 if not submit_next():
                     break
             while window:
-                (n, ci, s, e), fut = window.popleft()
-                res = fut.result()
+                specs, fut = window.popleft()
+                results = fut.result()
                 submit_next()
-                entry = ChunkEntry(res.digest)
-                if res.key is not None:
-                    entry.k = kshards.add(res.key)
-                if res.delta is not None:
-                    entry.d = dshards.add(res.delta)
-                entries[n].append(entry)
-                changed += res.changed
-                total += e - s
+                for (n, ci, s, e), res in zip(specs, results):
+                    entry = ChunkEntry(res.digest)
+                    if res.key is not None:
+                        entry.k = kshards.add(res.key)
+                    if res.delta is not None:
+                        entry.d = dshards.add(res.delta)
+                    entries[n].append(entry)
+                    changed += res.changed
+                    total += e - s
                 while len(pending) > 2 * self.io_threads:
                     pending.popleft().result()
             kshards.flush()
