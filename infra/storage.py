@@ -103,22 +103,6 @@ class FileStore:
         except FileNotFoundError:
             raise ObjectNotFound(f"{self.uri}/{key} not found") from None
 
-    def iter_range(self, key: str, start: int, length: int, piece: int = 1 << 16) -> Iterator[bytes]:
-        """``get_range`` in pieces of at most ``piece`` bytes, as they are read."""
-        try:
-            fh = open(self._path(key), "rb")
-        except FileNotFoundError:
-            raise ObjectNotFound(f"{self.uri}/{key} not found") from None
-        with fh:
-            fh.seek(start)
-            left = length
-            while left > 0:
-                data = fh.read(min(piece, left))
-                if not data:
-                    return
-                left -= len(data)
-                yield data
-
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
@@ -224,25 +208,6 @@ class S3Store:
             return resp["Body"].read()
         except Exception as exc:
             raise self._err(exc, key) from exc
-
-    def iter_range(self, key: str, start: int, length: int, piece: int = 1 << 16) -> Iterator[bytes]:
-        """``get_range`` in pieces of at most ``piece`` bytes as they arrive (a reader can decode
-        the first frames of a range while the rest is still on the wire)."""
-        if length <= 0:
-            return
-        try:
-            resp = self._client.get_object(
-                Bucket=self.bucket, Key=self._k(key), Range=f"bytes={start}-{start + length - 1}"
-            )
-        except Exception as exc:
-            raise self._err(exc, key) from exc
-        body = resp["Body"]
-        try:
-            yield from body.iter_chunks(piece)
-        except Exception as exc:
-            raise self._err(exc, key) from exc
-        finally:
-            body.close()
 
     def exists(self, key: str) -> bool:
         try:

@@ -379,18 +379,13 @@ class VersionReader:
                     raise WrongBase("the tensors given are not the claimed version", version=have_version,
                                     tensor=tensors[ti].name)
 
-            small = sum(bounds[ti][ci][1] - bounds[ti][ci][0] for ti, ci in untouched) < (1 << 20)
-            if small:  # e.g. the norm weights one RL step leaves alone: cheaper here than as tasks
-                for ti, ci in untouched:
-                    check(ti, ci)
-            else:
-                pool = self._pools.get("dec", self.threads)
-                checks = [pool.submit(check, ti, ci) for ti, ci in untouched]
-                try:
-                    for f in checks:
-                        f.result()
-                finally:
-                    settle(checks)
+            pool = self._pools.get("dec", self.threads)
+            checks = [pool.submit(check, ti, ci) for ti, ci in untouched]
+            try:
+                for f in checks:
+                    f.result()
+            finally:
+                settle(checks)
         out: dict[str, "torch.Tensor"] = {}
         for t, b in zip(tensors, bufs):
             if inplace and have is not None:
@@ -427,11 +422,7 @@ class VersionReader:
                     cur.length += ln
         return out
 
-    def _download(self, r: _Range, steps: list[tuple[int, str, Manifest]],
-                  on_frames: Callable[[_Range, int, int, memoryview], None] | None = None) -> bytes | memoryview:
-        """The bytes of range ``r``. With ``on_frames`` (and a store that streams, ``iter_range``)
-        the range is read in pieces and ``on_frames(r, i, j, data)`` is called, from this thread,
-        each time frames ``i..j-1`` are complete, so they can be decoded while the rest arrives."""
+    def _download(self, r: _Range, steps: list[tuple[int, str, Manifest]]) -> bytes:
         v, _kind, man = steps[r.step]
         first = man.tensors[r.frames[0][0]].name
         if r.inline:  # frames that came with the manifest
@@ -440,28 +431,12 @@ class VersionReader:
                 raise CorruptData(f"manifest carries {len(man.tail)} bytes of frames, a frame ends at "
                                   f"{r.start + r.length}", version=v, tensor=first)
             return data
-        stream = getattr(self.store, "iter_range", None) if on_frames is not None else None
         try:
-            if stream is None:
-                data: bytes | memoryview = self.store.get_range(r.key, r.start, r.length)
-                got = len(data)
-            else:
-                data = memoryview(bytearray(r.length))
-                got = done = 0
-                for piece in stream(r.key, r.start, r.length):
-                    n = min(len(piece), r.length - got)  # (a store never sends more; do not trust it)
-                    data[got : got + n] = piece[:n]
-                    got += n
-                    j = done
-                    while j < len(r.frames) and r.frames[j][2] + r.frames[j][3] <= got:
-                        j += 1
-                    if j > done:
-                        on_frames(r, done, j, data)  # type: ignore[misc]
-                        done = j
+            data = self.store.get_range(r.key, r.start, r.length)
         except ObjectNotFound:
             raise MissingObject(f"object {r.key} is missing", version=v, tensor=first) from None
-        if got != r.length:
-            raise CorruptData(f"object {r.key} truncated: got {got} of {r.length} bytes at {r.start}",
+        if len(data) != r.length:
+            raise CorruptData(f"object {r.key} truncated: got {len(data)} of {r.length} bytes at {r.start}",
                               version=v, tensor=first)
         return data
 
@@ -489,8 +464,7 @@ class VersionReader:
             left_in_step[r.step] += len(r.frames)
         left_in_range: dict[int, int] = {id(r): len(r.frames) for r in ranges}
         parked: dict[int, list[tuple[_Range, bytes]]] = defaultdict(list)
-        events: SimpleQueue[tuple[str, _Range, object, int]] = SimpleQueue()
-        streamed: dict[int, int] = {}  # id(range) -> frames already handed out while it streamed
+        events: SimpleQueue[tuple[str, _Range, Future, int]] = SimpleQueue()
         started: list[Future] = []
         downloading = outstanding = 0
         used = 0
@@ -509,20 +483,14 @@ class VersionReader:
                 for ti, ci, off, ln in group:
                     decode(step, ti, ci, mv[off : off + ln])
 
-            def dispatch(r: _Range, data: bytes | memoryview, first: int = 0, end: int | None = None) -> None:
+            def dispatch(r: _Range, data: bytes) -> None:
                 # a few tasks per range, not one per frame: each task and completion costs the
                 # GIL-holding scheduler ~30 us (a delta range holds ~80 small frames)
                 mv = memoryview(data)
-                frames = r.frames[first:end]
-                if not frames:
-                    return
-                per = -(-len(frames) // (4 * self.threads))
-                for i in range(0, len(frames), per):
-                    group = frames[i : i + per]
+                per = -(-len(r.frames) // (4 * self.threads))
+                for i in range(0, len(r.frames), per):
+                    group = r.frames[i : i + per]
                     track("dec", r, cpu.submit(decode_group, r.step, group, mv), len(group))
-
-            def frames_in(r: _Range, i: int, j: int, data: memoryview) -> None:  # download thread
-                events.put(("part", r, (i, j, data), 0))
 
             def advance() -> None:
                 nonlocal current
@@ -543,8 +511,7 @@ class VersionReader:
                         ready.append(r)
                         continue
                     downloading += 1
-                    # the current step's ranges stream: their frames decode as they land
-                    track("get", r, io.submit(self._download, r, steps, frames_in if r.step == current else None))
+                    track("get", r, io.submit(self._download, r, steps))
                 if prepare is not None:  # while the first ranges download
                     prepare()
                     prepare = None
@@ -561,13 +528,7 @@ class VersionReader:
                 ready.clear()
                 if error is not None or not outstanding:
                     continue
-                kind, r, payload, nframes = events.get()
-                if kind == "part":  # frames of a streaming range are complete (r.step == current)
-                    i, j, data = payload  # type: ignore[misc]
-                    dispatch(r, data, i, j)
-                    streamed[id(r)] = j
-                    continue
-                f: Future = payload  # type: ignore[assignment]
+                kind, r, f, nframes = events.get()
                 outstanding -= 1
                 exc = f.exception()
                 if kind == "get":
@@ -575,7 +536,7 @@ class VersionReader:
                     if exc is not None:
                         error = exc
                     elif r.step == current:
-                        dispatch(r, f.result(), streamed.pop(id(r), 0))
+                        dispatch(r, f.result())
                     else:
                         parked[r.step].append((r, f.result()))
                     continue
