@@ -1015,10 +1015,10 @@ def encode_sparse_update(old: np.ndarray, new: np.ndarray, hot: tuple[int, np.nd
     of ``old``, rebuilt with ``margin`` headroom when it does not cover the threshold), XXH3-128 of
     ``new``, ``old`` made equal to ``new`` and the hot list updated.
 
-    Returns ``(status, changed, planes, positions, (cap, list) or None, looked, hexdigest)``
-    (``looked``: 0 the hot list was not needed, 1 the kept one served, 2 it was scanned)
-    (status 0: unchanged, 1: encoded, 2: over ``dense_max`` changes, nothing touched), or None when
-    the native path is not available; the bytes are those of :func:`sparse_parts`."""
+    Returns ``(status, changed, planes, positions, (cap, list) or None, looked, hexdigest)``, or
+    None when the native path is not available. ``status`` 0: unchanged, 1: encoded, 2: over
+    ``dense_max`` changes (0 and 2 touch nothing); ``looked`` 0: the hot list was not needed, 1: the
+    kept one served, 2: it was scanned. The bytes are those of :func:`sparse_parts`."""
     fused = globals().get("_nb_encode_sparse")
     if (fused is None or _impl != "numba" or old.dtype != new.dtype or len(old) != len(new)
             or not (old.flags.c_contiguous and new.flags.c_contiguous and old.flags.writeable)):

@@ -38,7 +38,6 @@ from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
 from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.hotwords import HotWords
-from infra.weightsync.pools import Pools, settle
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
     TAIL_SHARD,
@@ -52,6 +51,7 @@ from infra.weightsync.layout import (
     tensor_digest,
     version_dir,
 )
+from infra.weightsync.pools import Pools, settle
 from infra.weightsync.rawbytes import dtype_name, tensor_words
 
 if TYPE_CHECKING:
