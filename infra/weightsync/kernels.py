@@ -819,7 +819,7 @@ if HAVE_NUMBA:
                 raise ValueError("sparse frame truncated")
             vlen = _nb_get_le(body, used, 8)
             used += 8
-            if vlen > np.uint64(body.shape[0] - used) or np.int64(vlen) != body.shape[0] - used:
+            if vlen != np.uint64(body.shape[0] - used):  # (used <= body.shape[0] here)
                 raise ValueError("sparse frame length mismatch (truncated or trailing bytes)")
             m = idx.shape[0]
             if m > 0:
@@ -866,9 +866,8 @@ if HAVE_NUMBA:
                 positions = _nb_positions_plain(idx)
             else:
                 looked = 1
-                thr = np.uint64(t) << np.uint64(kshift)
-                if thr > magmask + _U1:
-                    thr = magmask + _U1
+                split_thr = np.uint64(t) << np.uint64(kshift)  # as written in the frame
+                thr = split_thr if split_thr <= magmask + _U1 else magmask + _U1
                 if cap == _U0 or thr > cap:  # as ChunkHot: scan once with headroom, keep the list
                     cap = thr + margin
                     if cap > magmask + _U1:
@@ -876,7 +875,7 @@ if HAVE_NUMBA:
                     hot = _nb_hot_words(old, magmask, cap)
                     looked = 2
                 hw = hot if thr >= cap else _nb_hot_filter(hot, old, magmask, thr)
-                positions = _nb_positions_hot(idx, hw, np.uint64(np.uint64(t) << np.uint64(kshift)), n)
+                positions = _nb_positions_hot(idx, hw, split_thr, n)
             lo, hi = _xxh3(new.ctypes.data, np.uint64(new.nbytes))
             for i in range(m):
                 p = idx[i]
@@ -911,6 +910,10 @@ def _full(w: int) -> Any:
     return np.uint64((1 << (8 * w)) - 1)
 
 
+_HIGH = {w: np.uint64(int.from_bytes(((1 << (8 * w - 1)).to_bytes(w, "little")) * (8 // w), "little"))
+         for w in (1, 2, 4)}  # the top bit of every ``w``-byte lane of a uint64 (SWAR compare)
+
+
 def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """Sorted indices (int64) of the words where ``old`` and ``new`` differ."""
     if _impl == "numpy":
@@ -919,8 +922,7 @@ def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     out = np.empty(n + 8, np.int64)  # only the pages written are touched; slack for branch-free stores
     per = 8 // w
     if w < 8 and n % per == 0 and old.flags.c_contiguous and new.flags.c_contiguous:
-        high = np.uint64(int.from_bytes(((1 << (8 * w - 1)).to_bytes(w, "little")) * per, "little"))
-        k = _nb_changed64(old.view(np.uint64), new.view(np.uint64), per, high, out)
+        k = _nb_changed64(old.view(np.uint64), new.view(np.uint64), per, _HIGH[w], out)
     else:
         k = _nb_changed_plain(old, new, out)
     return out[:k].copy()
@@ -1004,6 +1006,9 @@ def apply_values(buf: np.ndarray, idx: np.ndarray, planes: np.ndarray) -> None:
     _nb_apply(buf, idx, planes, w, sh, km, _full(w))
 
 
+# the one-call kernels, when numba and the native symbols are there (:mod:`native`)
+_FUSED_ENCODE = globals().get("_nb_encode_sparse")
+_FUSED_DECODE = globals().get("_nb_apply_sparse")
 _NO_HOT = np.zeros(0, np.int64)
 _NO_WORDS = np.zeros(0, np.uint64)
 
@@ -1019,15 +1024,14 @@ def encode_sparse_update(old: np.ndarray, new: np.ndarray, hot: tuple[int, np.nd
     None when the native path is not available. ``status`` 0: unchanged, 1: encoded, 2: over
     ``dense_max`` changes (0 and 2 touch nothing); ``looked`` 0: the hot list was not needed, 1: the
     kept one served, 2: it was scanned. The bytes are those of :func:`sparse_parts`."""
-    fused = globals().get("_nb_encode_sparse")
+    fused = _FUSED_ENCODE
     if (fused is None or _impl != "numba" or old.dtype != new.dtype or len(old) != len(new)
             or not (old.flags.c_contiguous and new.flags.c_contiguous and old.flags.writeable)):
         return None
     n, w = len(new), new.dtype.itemsize
     per = 8 // w
     if w < 8 and n % per == 0:
-        o64, n64 = old.view(np.uint64), new.view(np.uint64)
-        high = np.uint64(int.from_bytes(((1 << (8 * w - 1)).to_bytes(w, "little")) * per, "little"))
+        o64, n64, high = old.view(np.uint64), new.view(np.uint64), _HIGH[w]
     else:
         o64, n64, per, high = _NO_WORDS, _NO_WORDS, 0, np.uint64(0)
     sh, km, mm = _consts(w)
@@ -1045,7 +1049,7 @@ def apply_sparse_digest(body: np.ndarray, buf: np.ndarray) -> str | None:
 
     None when that path is not available (numpy twins, no native symbols, a non-contiguous
     ``buf``): the caller then runs the steps one by one, with the same result and errors."""
-    fused = globals().get("_nb_apply_sparse")
+    fused = _FUSED_DECODE
     if fused is None or _impl != "numba" or not buf.flags.c_contiguous:
         return None
     w = buf.dtype.itemsize
