@@ -124,8 +124,9 @@ def test_corrupt_manifest(store: FileStore) -> None:
 
 
 def test_frames_carried_by_the_manifest(store: FileStore) -> None:
-    """The last delta frames ride in the manifest object: a flipped byte there is a CorruptData
-    naming version and tensor, a cut-off object a ManifestError; the keyframe recovers either way."""
+    """The last delta frames ride in the manifest object: a flipped byte or a cut inside them is a
+    CorruptData naming version and tensor, a cut inside the header a ManifestError; the keyframe
+    recovers either way."""
     h = _history(store, n=4, k=2)  # keyframes 1, 3; deltas 2, 4
     p = _path(store, 4, "manifest.json.zst")
     blob = p.read_bytes()

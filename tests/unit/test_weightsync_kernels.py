@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from infra.weightsync import codec, kernels
+from infra.weightsync.testing import word_pair as _case
 
 needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
 
@@ -17,28 +18,6 @@ def restore_impl() -> Iterator[None]:
     prev = kernels.implementation()
     yield
     kernels.set_implementation(prev)
-
-
-def _case(rng: np.random.Generator, trial: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random words of every width; every third case has a rare "tiny magnitude" class that
-    changes almost surely (what makes the encoder split positions by the base's magnitude)."""
-    dt = [np.uint8, np.uint16, np.uint32, np.uint64][trial % 4]
-    w = np.dtype(dt).itemsize
-    n = int(rng.integers(1, 20000))
-    old = rng.integers(0, 1 << min(63, 8 * w), n, dtype=np.uint64).astype(dt)
-    changed = rng.random(n) < rng.choice([0.001, 0.01, 0.1, 0.5, 0.95])
-    step = rng.choice(np.array([1, (1 << 8 * w) - 1], np.uint64), n).astype(dt)  # +-1 ulp moves
-    if trial % 3:
-        step = rng.integers(1, 20, n).astype(dt)
-    new = old.copy()
-    new[changed] += step[changed]
-    if trial % 3 == 0:
-        tiny = rng.random(n) < rng.choice([0.002, 0.05])
-        old[tiny] &= dt((1 << max(1, 8 * w - 5)) - 1)
-        new[tiny] = old[tiny]
-        moved = tiny & (rng.random(n) < 0.9)
-        new[moved] += rng.integers(4, 100, n).astype(dt)[moved]
-    return old, new
 
 
 def _frame(impl: str, old: np.ndarray, new: np.ndarray) -> bytes | None:

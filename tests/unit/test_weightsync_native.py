@@ -9,26 +9,10 @@ import xxhash
 
 from infra.weightsync import codec, kernels, native
 from infra.weightsync.layout import digest
+from infra.weightsync.testing import word_pair as _case
 
 needs_native = pytest.mark.skipif(not (kernels.HAVE_NUMBA and native.AVAILABLE),
                                   reason="numba or the native xxh3/zstd symbols are not available")
-
-
-def _case(rng: np.random.Generator, trial: int) -> tuple[np.ndarray, np.ndarray]:
-    """Words of every width with sparse +-small changes; every third case has a rare tiny-magnitude
-    class that changes (so the encoder splits the positions by the base's magnitude)."""
-    dt = [np.uint8, np.uint16, np.uint32, np.uint64][trial % 4]
-    w = np.dtype(dt).itemsize
-    n = int(rng.integers(1, 30000))
-    old = rng.integers(0, 1 << min(63, 8 * w), n, dtype=np.uint64).astype(dt)
-    new = old.copy()
-    changed = rng.random(n) < rng.choice([0.0005, 0.004, 0.05, 0.2])
-    new[changed] += rng.integers(1, 9, n).astype(dt)[changed]
-    if trial % 3 == 0:
-        tiny = rng.random(n) < 0.01
-        old[tiny] &= dt((1 << max(1, 8 * w - 5)) - 1)
-        new[tiny] = old[tiny] + dt(3)
-    return old, new
 
 
 @needs_native
