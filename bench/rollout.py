@@ -50,7 +50,7 @@ def hardware() -> dict[str, Any]:
 
 def demo_model(quick: bool) -> tuple[Any, Any, list[str]]:
     """The demo policy (configs/demo.yaml's model section) after a short SFT warm-start."""
-    from evals.funcfit import train_batch
+    from evals.funcfit import sft_examples, train_batch
     from infra.config import WarmstartConfig, load_config
     from infra.model import load_policy
     from infra.train.sft import warmstart
@@ -66,7 +66,7 @@ def demo_model(quick: bool) -> tuple[Any, Any, list[str]]:
     if cached.is_file():  # the warm-start is setup, not what is measured: reuse it across runs
         model.load_state_dict(torch.load(cached))
     else:
-        warmstart(model, tok, WarmstartConfig(steps=steps, batch_size=32, lr=3e-3), env_seed=cfg.seed)
+        warmstart(model, tok, WarmstartConfig(steps=steps, batch_size=32, lr=3e-3), sft_examples, seed=cfg.seed)
         cached.parent.mkdir(parents=True, exist_ok=True)
         torch.save(model.state_dict(), cached)
     # 256 training prompts: every round of 32 draws new ones (64 made batch-32 rounds alternate

@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from infra.envspec import FUNCFIT_FAMILIES, check_families
+
 if TYPE_CHECKING:  # the sandbox package is imported lazily at call time
     from infra.sandbox import VerifyRequest
 
@@ -46,7 +48,9 @@ RANGES: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "a*x+b": ((2, 9), (1, 99)),
     "x%a+b": ((2, 5), (0, 99)),  # a >= 6 would look linear on the shown points
 }
-FAMILIES: tuple[str, ...] = tuple(RANGES)
+FAMILIES: tuple[str, ...] = FUNCFIT_FAMILIES  # the names the config validates (infra/envspec.py)
+if tuple(RANGES) != FAMILIES:
+    raise RuntimeError(f"funcfit RANGES {tuple(RANGES)} and infra.envspec families {FAMILIES} differ")
 _FUNCS: dict[str, Callable[[int, int, int], int]] = {
     "x+b": lambda a, b, x: x + b,
     "b-x": lambda a, b, x: b - x,
@@ -125,17 +129,6 @@ def all_functions() -> list[tuple[str, int, int]]:
     for fam, ((a_lo, a_hi), (b_lo, b_hi)) in RANGES.items():
         out += [(fam, a, b) for a in range(a_lo, a_hi + 1) for b in range(b_lo, b_hi + 1)]
     return out
-
-
-def check_families(families: "tuple[str, ...] | list[str] | None") -> tuple[str, ...]:
-    """The family subset to draw from (all when ``None``); raises ValueError naming unknown ones."""
-    if families is None:
-        return FAMILIES
-    fams = tuple(dict.fromkeys(families))
-    unknown = [f for f in fams if f not in RANGES]
-    if unknown or not fams:
-        raise ValueError(f"unknown function families {unknown or '(none given)'}; known: {', '.join(FAMILIES)}")
-    return fams
 
 
 def _draw(rng: random.Random, want_eval: bool, hidden_tests: int, families: tuple[str, ...] = FAMILIES) -> Problem:

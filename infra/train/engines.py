@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from infra.train.optim import make_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -41,13 +43,6 @@ class TrainEngine(Protocol):
     def full_params(self) -> "dict[str, torch.Tensor] | None": ...
     def save(self, folder: Path) -> None: ...
     def load(self, folder: Path) -> None: ...
-
-
-def make_optimizer(params: Any, tcfg: "TrainerConfig") -> "torch.optim.Optimizer":
-    """The AdamW every engine uses (a plain torch optimizer: no compiled DeepSpeed ops needed)."""
-    import torch
-
-    return torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.99))
 
 
 class TorchEngine:

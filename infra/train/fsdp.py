@@ -15,7 +15,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.train.engines import make_optimizer
+from infra.train.optim import make_optimizer
 
 if TYPE_CHECKING:
     import torch

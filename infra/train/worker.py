@@ -102,25 +102,23 @@ class Trainer:
                 "zero_stage": tcfg.zero_stage if tcfg.engine == "deepspeed" else None}
 
     # ------------------------------------------------------------------------------ warmstart
-    def op_warmstart(self) -> dict[str, Any]:
-        """Supervised warm start on generated solutions, data-parallel over the ranks."""
-        from infra.train.sft import sft_batches, sft_loss
+    def op_warmstart(self, examples_key: str | None = None) -> dict[str, Any]:
+        """Supervised warm start (:func:`infra.train.sft.sft_loop`), data-parallel over the ranks.
+
+        ``examples_key`` names the per-step (prompt, target) pairs the provision stage drew from the
+        environment and stored (:mod:`infra.stages.warmstart`); each rank trains on its slice of every
+        step. Afterwards the learning rate is the RL one and the optimizer state is fresh.
+        """
+        from infra.train.sft import sft_batches, sft_loop
 
         wcfg = self.cfg.warmstart
         if wcfg.steps == 0:
             return {"steps": 0}
+        if examples_key is None:
+            raise ValueError("warmstart needs examples_key: the stored (prompt, target) pairs of every step")
         started = time.perf_counter()
-        losses: list[float] = []
-        warm = max(1, min(getattr(wcfg, "warmup_steps", 1), wcfg.steps))
-        batches = sft_batches(self.tokenizer, self.cfg.env, self.cfg.env.seed, wcfg.steps, wcfg.batch_size,
-                              self.rank, self.world)
-        for i, batch in enumerate(batches, start=1):
-            self.engine.set_lr(wcfg.lr * min(1.0, i / warm))
-            with self.engine.autocast():
-                loss = sft_loss(self.engine.module, batch)
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(float(loss))
+        steps = get_json(self.store, examples_key)["steps"]
+        out = sft_loop(self.engine, sft_batches(self.tokenizer, steps, self.rank, self.world), wcfg)
         self.engine.set_lr(self.cfg.trainer.lr)
         # fresh optimizer state for RL: SFT moments would bias the first RL updates
         self.engine.reset_optimizer()
@@ -129,8 +127,7 @@ class Trainer:
             if self.world > 1:
                 dist.broadcast_object_list(box, src=0)
             self.ref_model.load_state_dict(box[0])
-        return {"steps": len(losses), "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
-                "seconds": time.perf_counter() - started}
+        return {"steps": out["steps"], "final_loss": out["final_loss"], "seconds": time.perf_counter() - started}
 
     def _hf_state(self) -> dict[str, torch.Tensor] | None:
         """Collective: full fp32 weights under Hugging Face names (LoRA merged) on rank 0."""

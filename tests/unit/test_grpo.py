@@ -124,7 +124,8 @@ def test_warmstart_reduces_loss() -> None:
     probe = sft_batch(tok, sft_examples(99, 32))
     with torch.no_grad():
         before = sft_loss(model, probe).item()
-    out = warmstart(model, tok, WarmstartConfig(steps=15, batch_size=16, lr=3e-3, warmup_steps=2), env_seed=0)
+    out = warmstart(model, tok, WarmstartConfig(steps=15, batch_size=16, lr=3e-3, warmup_steps=2), sft_examples,
+                    seed=0)
     with torch.no_grad():
         after = sft_loss(model, probe).item()
-    assert out["sft_steps"] == 15 and after < before - 0.5
+    assert out["steps"] == 15 and after < before - 0.5

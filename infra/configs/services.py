@@ -1,0 +1,190 @@
+"""Config sections of the services and the loop: rollout, weight sync, storage, sandbox, tracking,
+loop mode, evaluation and promotion.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from infra.configs.base import Strict
+
+# ------------------------------------------------------------------------------------- rollout
+class RolloutConfig(Strict):
+    """The inference engine that generates rollouts."""
+
+    type: Literal["local", "vllm"] = Field(
+        "local", description="local: torch KV-cached sampler on CPU/GPU; vllm: vLLM (GPU only)."
+    )
+    max_new_tokens: int = Field(
+        16, ge=1, le=32768, description="Longest completion (funcfit answers are <= 12 characters)."
+    )
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    threads: int = Field(1, ge=1, le=256, description="torch threads in the rollout worker.")
+    max_batch: int = Field(256, ge=1, le=65536, description="local: rows decoded together (continuous-batching slots).")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0.0, le=0.98, description="vllm: fraction of GPU memory vLLM may take (the trainer shares the GPU)."
+    )
+    start_timeout_s: float = Field(120.0, gt=0, le=3600, description="Max wait for the worker.")
+
+
+# --------------------------------------------------------------------------------- weight sync
+class WeightSyncConfig(Strict):
+    """How new policy versions travel from trainer to rollout workers."""
+
+    transport: Literal["object_store"] = Field(
+        "object_store", description="object_store: versions in the run's object store."
+    )
+    keyframe_every: int = Field(
+        10, ge=1, le=100_000, description="A full snapshot every K versions; deltas in between."
+    )
+    codec: Literal["auto", "xor", "sparse"] = Field(
+        "auto", description="auto: per tensor, the smallest of the available delta encodings."
+    )
+    zstd_level: int = Field(1, ge=-7, le=22, description="zstd level for delta frames.")
+    threads: int = Field(2, ge=1, le=256, description="Encode/decode worker threads.")
+    keep_versions: int = Field(
+        0, ge=0, le=1_000_000, description="Garbage-collect versions older than this many (0 = keep all)."
+    )
+
+
+# ------------------------------------------------------------------------------------- storage
+class StorageConfig(Strict):
+    """The object store for every artefact between stages."""
+
+    type: Literal["file", "s3"] = Field("file", description="file: a local folder; s3: boto3.")
+    root: str = Field(
+        "",
+        description="file: folder (default: <run_root>/store); s3: 's3://bucket/prefix'.",
+    )
+    endpoint_url: str | None = Field(None, description="s3: custom endpoint (MinIO, moto, R2...).")
+    region: str | None = Field(None, description="s3: region name.")
+
+    @model_validator(mode="after")
+    def _s3_root(self) -> "StorageConfig":
+        if self.type == "s3" and not self.root.startswith("s3://"):
+            raise ValueError(f"storage.root must look like 's3://bucket/prefix' for s3, got {self.root!r}")
+        return self
+
+
+# ------------------------------------------------------------------------------------- sandbox
+class SandboxConfig(Strict):
+    """Where untrusted model output is executed and scored."""
+
+    runtime: Literal["bwrap", "docker", "unsafe_local"] = Field(
+        "bwrap",
+        description="bwrap: bubblewrap (no daemon); docker: the docker SDK; unsafe_local: NO "
+        "isolation (needs allow_unsandboxed: true; loudly warned).",
+    )
+    allow_unsandboxed: bool = Field(
+        False, description="Explicit opt-out that permits runtime unsafe_local."
+    )
+    image: str = Field("deltaloop-sandbox:latest", description="docker: image to run.")
+    docker_hosts: list[str] = Field(
+        default_factory=list, description="docker: DOCKER_HOST URLs serving one pool (empty = env)."
+    )
+    concurrency: int = Field(2, ge=1, le=4096, description="Jobs run at once.")
+    min_warm: int = Field(1, ge=0, le=4096, description="Warm sandboxes kept at least.")
+    max_warm: int = Field(8, ge=1, le=4096, description="Warm sandboxes kept at most.")
+    max_jobs_per_sandbox: int = Field(200, ge=1, le=1_000_000, description="Recycle limit.")
+    timeout_s: float = Field(2.0, gt=0, le=3600, description="Wall-clock limit per job.")
+    dedupe: bool = Field(
+        True,
+        description="Score identical completions of one batch once (same program and tests): RL groups repeat "
+        "themselves. Turn off for verifiers whose result is not a function of the program (time, randomness).",
+    )
+    memory_mb: int = Field(256, ge=16, le=1_048_576, description="Memory limit per sandbox.")
+    pids: int = Field(64, ge=4, le=65536, description="Process limit per sandbox.")
+    cpus: float = Field(1.0, gt=0, le=256, description="CPU limit per sandbox.")
+    output_limit_bytes: int = Field(65536, ge=256, le=1 << 30, description="stdout+stderr cap.")
+    scratch_mb: int = Field(
+        64, ge=1, le=65536, description="Size of the tmpfs scratch dir (also the per-file size limit)."
+    )
+    tail_bytes: int = Field(4096, ge=0, le=1 << 20, description="Bytes of stdout/stderr kept in results.")
+    uid: int = Field(
+        65534, ge=0, le=2**31 - 1, description="Uid inside the sandbox (and bwrap's host uid when run as root)."
+    )
+    python: str = Field(
+        "/usr/bin/python3",
+        description="bwrap (host /usr) and unsafe_local: interpreter that runs the runner; docker: "
+        "'python3' inside the image is used.",
+    )
+    bwrap_path: str = Field("bwrap", description="bwrap: the bubblewrap executable.")
+    rootfs: str | None = Field(
+        None,
+        description="bwrap: a root filesystem folder to use as / (e.g. /var/cache/deltaloop/rootfs from "
+        "scripts/setup_sandbox.sh); None = the host's /usr read-only.",
+    )
+    start_timeout_s: float = Field(60.0, gt=0, le=3600, description="Max wait for one sandbox to start.")
+    idle_timeout_s: float = Field(
+        30.0, ge=0, le=86400, description="Idle sandboxes above the warm target are retired after this long."
+    )
+    kill_grace_s: float = Field(
+        10.0, gt=0, le=3600, description="Host backstop beyond the job timeout before a sandbox is killed."
+    )
+
+    @model_validator(mode="after")
+    def _rules(self) -> "SandboxConfig":
+        if self.runtime == "unsafe_local" and not self.allow_unsandboxed:
+            raise ValueError(
+                "sandbox.runtime 'unsafe_local' runs untrusted code WITHOUT isolation; "
+                "set sandbox.allow_unsandboxed: true to accept that"
+            )
+        if self.min_warm > self.max_warm:
+            raise ValueError(f"sandbox.min_warm ({self.min_warm}) > sandbox.max_warm ({self.max_warm})")
+        return self
+
+
+# ------------------------------------------------------------------------------------ tracking
+class TrackingConfig(Strict):
+    """MLflow tracking and registry."""
+
+    uri: str = Field(
+        "", description="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite under <run_root>)."
+    )
+    experiment: str = Field("deltaloop", description="MLflow experiment name.")
+    registered_model: str = Field("deltaloop-policy", description="Registry name for promotions.")
+
+
+class LoopConfig(Strict):
+    """How rollouts and training overlap (asynchronous RL) and how stale a batch may be."""
+
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: each batch comes from the newest policy; async: the batch for step t+1 is "
+        "generated and scored while step t trains (one version behind).",
+    )
+    max_staleness: int = Field(
+        1, ge=0, le=1000, description="Largest allowed policy lag (in versions) of a training batch."
+    )
+    stale_policy: Literal["drop", "importance"] = Field(
+        "drop",
+        description="A batch older than max_staleness is dropped and regenerated from the current "
+        "policy (drop), or trained on with the clipped importance ratio against the policy that "
+        "produced it (importance).",
+    )
+
+
+class EvalConfig(Strict):
+    """When to evaluate on the held-out split."""
+
+    every: int = Field(0, ge=0, le=1_000_000, description="Evaluate every N steps (0 = only before/after).")
+    max_new_tokens: int = Field(24, ge=1, le=32768, description="Greedy decode length for eval.")
+
+
+class PromoteConfig(Strict):
+    """Eval-gated promotion to the registry alias."""
+
+    alias: str = Field("champion", pattern=r"^[A-Za-z][A-Za-z0-9_-]{0,63}$", description="Alias to move.")
+    margin: float = Field(0.0, ge=-1.0, le=1.0, description="Required gain over the champion.")
+    enabled: bool = Field(True, description="Register and gate the final model at all.")
+    confidence: float = Field(
+        0.95, ge=0.5, le=0.999,
+        description="Two-sided level of the paired bootstrap CI; its lower end must clear the margin.",
+    )
+    guard_tolerance: float = Field(
+        0.05, ge=0.0, le=1.0,
+        description="Largest drop allowed on any guard suite (one per eval family); 1.0 disables guards.",
+    )
