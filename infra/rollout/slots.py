@@ -64,6 +64,60 @@ def supports(model: Any) -> bool:
 
 
 @dataclass
+class PrefillPlan:
+    """What a prefill computes once: the unique prompts (``uniq``; ``inverse[i]`` is prompt i's index
+    in it), the slots they fill (``u_slots``), rows whose cache is copied from an identical prompt's
+    slot (``dup_src`` -> ``dup_dst``), and the prefix nodes: one per distinct (prefix, token), with
+    its token and position, the padded cell of every (row, position) (``cells``, ``n * width``;
+    cells past a prompt's end repeat its last node: finite values that the masks never let
+    through) and one cell where each node occurs (``first_cell``, its query row)."""
+
+    inverse: list[int]
+    u_slots: list[int]
+    dup_src: list[int]
+    dup_dst: list[int]
+    uniq: list[tuple[int, ...]]
+    node_tok: list[int]
+    node_pos: list[int]
+    cells: list[int]
+    first_cell: list[int]
+
+
+def plan_prefill(slot_ids: Sequence[int], prompts: Sequence[Sequence[int]]) -> PrefillPlan:
+    """Deduplicate ``prompts`` and build their prefix nodes (see :class:`PrefillPlan`)."""
+    first: dict[tuple[int, ...], int] = {}
+    inverse = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    u_slots: list[int] = []
+    dup_src: list[int] = []
+    dup_dst: list[int] = []
+    for s, g in zip(slot_ids, inverse):
+        if g == len(u_slots):
+            u_slots.append(s)
+        else:
+            dup_src.append(u_slots[g])
+            dup_dst.append(s)
+    uniq = list(first)  # unique prompts, in order of first appearance
+    width = max(len(p) for p in uniq)
+    node_of: dict[tuple[int, int], int] = {}
+    node_tok: list[int] = []
+    node_pos: list[int] = []
+    cells: list[int] = []
+    first_cell: list[int] = []
+    for r, p in enumerate(uniq):
+        parent = -1
+        for pos, t in enumerate(p):
+            nd = node_of.setdefault((parent, t), len(node_tok))
+            if nd == len(node_tok):
+                node_tok.append(t)
+                node_pos.append(pos)
+                first_cell.append(r * width + pos)
+            cells.append(nd)
+            parent = nd
+        cells.extend([parent] * (width - len(p)))
+    return PrefillPlan(inverse, u_slots, dup_src, dup_dst, uniq, node_tok, node_pos, cells, first_cell)
+
+
+@dataclass
 class _Layer:
     """One decoder layer's weights in the layout the runner uses (fused, output weights transposed)."""
 
@@ -259,37 +313,10 @@ class SlotRunner:
         import torch.nn.functional as F
 
         assert self.k_cache is not None and self.v_cache is not None and self._cos is not None
-        first: dict[tuple[int, ...], int] = {}
-        inverse = [first.setdefault(tuple(p), len(first)) for p in prompts]
-        u_slots: list[int] = []
-        dup_src: list[int] = []
-        dup_dst: list[int] = []
-        for s, g in zip(slot_ids, inverse):
-            if g == len(u_slots):
-                u_slots.append(s)
-            else:
-                dup_src.append(u_slots[g])
-                dup_dst.append(s)
-        uniq = list(first)  # unique prompts, in order of first appearance
+        plan = plan_prefill(slot_ids, prompts)
+        inverse, u_slots, dup_src, dup_dst, uniq = plan.inverse, plan.u_slots, plan.dup_src, plan.dup_dst, plan.uniq
+        node_tok, node_pos, cells, first_cell = plan.node_tok, plan.node_pos, plan.cells, plan.first_cell
         n, width = len(uniq), max(len(p) for p in uniq)
-        # prefix nodes: node_of[(parent node, token)]; every padded cell maps to a node (cells past a
-        # prompt's end repeat its last node: finite values that the masks never let through)
-        node_of: dict[tuple[int, int], int] = {}
-        node_tok: list[int] = []
-        node_pos: list[int] = []
-        cells: list[int] = []  # [n * width]: the node at (row, position)
-        first_cell: list[int] = []  # per node: one padded cell where it occurs (its query row)
-        for r, p in enumerate(uniq):
-            parent = -1
-            for pos, t in enumerate(p):
-                nd = node_of.setdefault((parent, t), len(node_tok))
-                if nd == len(node_tok):
-                    node_tok.append(t)
-                    node_pos.append(pos)
-                    first_cell.append(r * width + pos)
-                cells.append(nd)
-                parent = nd
-            cells.extend([parent] * (width - len(p)))
         dev = self.device
         hq, hk, d = self.n_heads, self.n_kv, self.head_dim
         m = len(node_tok)

@@ -338,6 +338,23 @@ def zygote_main(fd, opts):
         sock.sendall(b"X" + struct.pack("<qq", pid, status))
 
 
+def _drain(readers, open_fds, cap):
+    """Read what is already buffered in the still-open pipes without blocking (orphans may keep a
+    pipe open: never wait for EOF), at most ``cap`` bytes a pipe."""
+    for fd in list(open_fds):
+        try:
+            os.set_blocking(fd, False)
+            while True:
+                data = os.read(fd, _READ)
+                if not data:
+                    break
+                readers[fd].add(data)
+                if readers[fd].total > cap:
+                    break
+        except (BlockingIOError, OSError):
+            pass
+
+
 # ------------------------------------------------------------------------------- runner (R)
 class Runner:
     """The trusted per-sandbox loop (see the module docstring)."""
@@ -437,6 +454,7 @@ class Runner:
 
     # one job
     def run_job(self, job):
+        """Run one job in a fresh worker forked by the zygote; return the reply dict."""
         opts = self.opts
         timeout = float(job.get("timeout") or 2.0)
         limit = int(opts["output_limit"])
@@ -445,13 +463,47 @@ class Runner:
         oom_before = _oom_count()
         if self.zpid is None:
             self.spawn_zygote()
+        t0 = time.monotonic()
+        reply = {"id": job.get("id"), "exit": None, "signal": None, "timed_out": False,
+                 "output_limit": False, "oom": False, "anomaly": None}
+        pipes = self._dispatch(job, timeout, reply)
+        if pipes is None:
+            return reply
+        readers = {pipes[0][0]: _Tail(tail), pipes[1][0]: _Tail(tail), pipes[2][0]: _Tail(payload_limit)}
+        open_fds = set(readers)
+        wpid, status, t_exit = self._pump(readers, open_fds, pipes, t0 + timeout, reply)
+        if status is None or status == -1:
+            t_exit = time.monotonic()
+            status = self._stop_worker(wpid)
+            if status is None:
+                reply["anomaly"] = reply["anomaly"] or "worker status lost"
+        _drain(readers, open_fds, 4 * max(limit, payload_limit))
+        for r, _ in pipes:
+            os.close(r)
+        if status is not None and status >= 0:
+            if os.WIFSIGNALED(status):
+                reply["signal"] = os.WTERMSIG(status)
+            elif os.WIFEXITED(status):
+                reply["exit"] = os.WEXITSTATUS(status)
+        out, err, res = (readers[p[0]] for p in pipes)
+        if out.total + err.total > limit:
+            reply["output_limit"] = True
+        reply["stdout"], reply["stderr"] = out.text(), err.text()
+        reply["stdout_bytes"], reply["stderr_bytes"] = out.total, err.total
+        reply["payload"] = bytes(res.buf).decode("utf-8", "replace") if res.total <= payload_limit else None
+        reply["run_s"] = (t_exit or time.monotonic()) - t0
+        self._clean_up(reply)
+        oom_after = _oom_count()
+        reply["oom"] = oom_before >= 0 and oom_after > oom_before
+        return reply
+
+    def _dispatch(self, job, timeout, reply):
+        """Hand the job and the write ends of three fresh pipes (stdout, stderr, results) to the
+        zygote. Returns the pipes, or None (with ``reply["anomaly"]`` set) if the zygote is gone."""
         pipes = [os.pipe() for _ in range(3)]
         body = json.dumps({"mode": job.get("mode", "exec"), "program": job.get("program", ""),
                            "entry": job.get("entry", ""), "args": job.get("args", []),
                            "timeout": timeout}).encode()
-        t0 = time.monotonic()
-        reply = {"id": job.get("id"), "exit": None, "signal": None, "timed_out": False,
-                 "output_limit": False, "oom": False, "anomaly": None}
         try:
             socket.send_fds(self.zsock, [struct.pack("<Q", len(body))], [w for _, w in pipes])
             self.zsock.sendall(body)
@@ -461,15 +513,18 @@ class Runner:
                 os.close(w)
             reply["anomaly"] = "zygote unreachable: %s" % exc
             self._kill_all()
-            return reply
+            return None
         for _, w in pipes:
             os.close(w)
-        readers = {pipes[0][0]: _Tail(tail), pipes[1][0]: _Tail(tail), pipes[2][0]: _Tail(payload_limit)}
-        open_fds = set(readers)
-        wpid = None
-        status = None
-        t_exit = None
-        deadline = t0 + timeout
+        return pipes
+
+    def _pump(self, readers, open_fds, pipes, deadline, reply):
+        """Read the worker's pipes and the zygote's messages until the worker's exit status
+        arrives, the deadline passes or an output limit is crossed. Returns (worker pid, exit
+        status or None, or -1 when the zygote died; time of exit or None)."""
+        limit = int(self.opts["output_limit"])
+        payload_limit = readers[pipes[2][0]].keep
+        wpid = status = t_exit = None
         zfd = self.zsock.fileno()
         while status is None:
             remaining = deadline - time.monotonic()
@@ -488,14 +543,13 @@ class Runner:
                         status = -1
                         break
                     self.zbuf += data
-                    while True:
-                        msg = self._zmsg()
-                        if msg is None:
-                            break
+                    msg = self._zmsg()
+                    while msg is not None:
                         if msg[0] == "P":
                             wpid = msg[1]
                         else:
                             status, t_exit = msg[2], time.monotonic()
+                        msg = self._zmsg()
                     continue
                 data = os.read(fd, _READ)
                 if not data:
@@ -508,59 +562,38 @@ class Runner:
             if readers[pipes[2][0]].total > payload_limit:
                 reply["output_limit"] = True
                 break
-        if status is None or status == -1:
-            # Stop the worker (and its process group), then collect its status from the zygote.
-            t_exit = time.monotonic()
-            if wpid:
-                for target in (-wpid, wpid):
-                    try:
-                        os.kill(target, signal.SIGKILL)
-                    except OSError:
-                        pass
-            end = time.monotonic() + 2.0
-            while status is None and self.zsock is not None and time.monotonic() < end:
-                ready, _, _ = select.select([zfd], [], [], max(0.0, end - time.monotonic()))
-                if not ready:
-                    break
-                data = self.zsock.recv(64)
-                if not data:
-                    break
-                self.zbuf += data
+        return wpid, status, t_exit
+
+    def _stop_worker(self, wpid):
+        """SIGKILL the worker and its process group, then collect its exit status from the zygote
+        (at most 2 s). Returns the status, or None if it was lost."""
+        if wpid:
+            for target in (-wpid, wpid):
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
+        status = None
+        end = time.monotonic() + 2.0
+        while status is None and self.zsock is not None and time.monotonic() < end:
+            zfd = self.zsock.fileno()
+            ready, _, _ = select.select([zfd], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                break
+            data = self.zsock.recv(64)
+            if not data:
+                break
+            self.zbuf += data
+            msg = self._zmsg()
+            while msg is not None:
+                if msg[0] == "X":
+                    status = msg[2]
                 msg = self._zmsg()
-                while msg is not None:
-                    if msg[0] == "X":
-                        status = msg[2]
-                    msg = self._zmsg()
-            if status is None:
-                reply["anomaly"] = reply["anomaly"] or "worker status lost"
-        # Drain whatever is already buffered (orphans may keep the pipes open: never wait on EOF).
-        for fd in list(open_fds):
-            try:
-                os.set_blocking(fd, False)
-                while True:
-                    data = os.read(fd, _READ)
-                    if not data:
-                        break
-                    readers[fd].add(data)
-                    if readers[fd].total > 4 * max(limit, payload_limit):
-                        break
-            except (BlockingIOError, OSError):
-                pass
-        for r, _ in pipes:
-            os.close(r)
-        if status is not None and status >= 0:
-            if os.WIFSIGNALED(status):
-                reply["signal"] = os.WTERMSIG(status)
-            elif os.WIFEXITED(status):
-                reply["exit"] = os.WEXITSTATUS(status)
-        out, err, res = (readers[p[0]] for p in pipes)
-        if out.total + err.total > limit:
-            reply["output_limit"] = True
-        reply["stdout"], reply["stderr"] = out.text(), err.text()
-        reply["stdout_bytes"], reply["stderr_bytes"] = out.total, err.total
-        reply["payload"] = bytes(res.buf).decode("utf-8", "replace") if res.total <= payload_limit else None
-        reply["run_s"] = (t_exit or time.monotonic()) - t0
-        # Clean state for the next job.
+        return status
+
+    def _clean_up(self, reply):
+        """Leave a clean state for the next job: reap, kill every stray process of the namespace
+        (an anomaly: the host retires the sandbox), wipe the writable folders."""
         self._reap()
         if self.pid1:
             strays = self._strays()
@@ -568,12 +601,9 @@ class Runner:
                 if strays:
                     reply["anomaly"] = reply["anomaly"] or "%d process(es) outlived the job" % len(strays)
                 self._kill_all()
-        for path in opts.get("wipe", []):
+        for path in self.opts.get("wipe", []):
             if not _wipe(path):
                 reply["anomaly"] = reply["anomaly"] or "could not wipe %s" % path
-        oom_after = _oom_count()
-        reply["oom"] = oom_before >= 0 and oom_after > oom_before
-        return reply
 
     def serve(self):
         stdin = sys.stdin.buffer
