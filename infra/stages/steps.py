@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from infra.stages.context import Cluster, RunContext
+from infra.stages.evaluate import reward_stats, verify_completions
 from infra.storage import get_json, put_json
 
 
@@ -40,8 +41,11 @@ def rollout_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any
 
 
 def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
-    """Run every rollout's program against its hidden tests in the sandbox pool."""
-    from evals.funcfit import Problem, to_verify_request
+    """Run every rollout's program against its hidden tests in the sandbox pool.
+
+    Rewards are summarised by :func:`~infra.stages.evaluate.reward_stats`, the same definition of
+    score and all-tests-pass accuracy as the held-out evaluation."""
+    from evals.funcfit import Problem
 
     out_key = ctx.key(step, "scores.json")
     if ctx.store.exists(out_key):
@@ -49,22 +53,21 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     rollouts = get_json(ctx.store, ctx.key(step, "rollouts.json"))
     problems = [Problem(**_fix_problem(d)) for d in get_json(ctx.store, ctx.key(step, "prompts.json"))["problems"]]
     samples = rollouts["samples"]
-    reqs = [to_verify_request(problems[s["prompt_index"]], s["text"], ctx.cfg.sandbox.timeout_s) for s in samples]
     t0 = time.perf_counter()
-    results = cluster.sandbox.verify_many(reqs, dedupe=ctx.cfg.sandbox.dedupe)
+    results = verify_completions(cluster.sandbox, [problems[s["prompt_index"]] for s in samples],
+                                 [s["text"] for s in samples], ctx.cfg.sandbox.timeout_s, dedupe=ctx.cfg.sandbox.dedupe)
     seconds = time.perf_counter() - t0
     rewards = [float(r.reward) for r in results]
     reasons: dict[str, int] = {}
     for r in results:
         reasons[r.reason] = reasons.get(r.reason, 0) + 1
-    n = max(1, len(rewards))
-    mean = sum(rewards) / n
+    stats = reward_stats(rewards)
     summary = {
-        "reward_mean": mean,
-        "reward_std": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
-        "solved_fraction": sum(1 for x in rewards if x >= 1.0) / n,
+        "reward_mean": stats["score"],
+        "reward_std": stats["std"],
+        "solved_fraction": stats["accuracy"],
         "score_seconds": seconds,
-        "sandbox_latency_ms": 1000 * sum(r.wall_seconds for r in results) / n,
+        "sandbox_latency_ms": 1000 * sum(r.wall_seconds for r in results) / max(1, len(results)),
         "reasons": reasons,
     }
     # the pool's own window (queue wait, start/run latency, utilisation, idle sandbox-seconds)

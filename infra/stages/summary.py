@@ -1,4 +1,5 @@
-"""End of run: curves as a PNG, ``summary.json`` in the run folder, a human summary."""
+"""End of run: the summary (one builder), ``summary.json`` and the curves PNG in the run folder, a
+human summary; and the per-step record that feeds them."""
 
 from __future__ import annotations
 
@@ -7,45 +8,48 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infra.ops.plots import plot_curves
 from infra.stages.context import RunContext
 
 
-def plot_curves(history: list[dict[str, Any]], path: Path) -> Path:
-    """Reward per step and eval score per evaluation, one PNG."""
-    import matplotlib
+def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any],
+                  gate: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's summary — the one dict behind ``summary.json``, the run report and the terminal lines.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h for h in history if h["kind"] == "step"]
-    evals = [h for h in history if h["kind"] == "eval"]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    ax[0].plot([h["step"] for h in steps], [h["reward_mean"] for h in steps], marker=".", label="train reward")
-    ax[0].set_xlabel("step"); ax[0].set_ylabel("mean reward"); ax[0].set_title("rollout reward"); ax[0].grid(alpha=0.3)
-    ax[1].plot([h["step"] for h in evals], [h["score"] for h in evals], marker="o", label="score")
-    ax[1].plot([h["step"] for h in evals], [h["accuracy"] for h in evals], marker="s", label="all tests pass")
-    ax[1].set_xlabel("step"); ax[1].set_title("held-out eval"); ax[1].legend(); ax[1].grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_summary(ctx: RunContext, fields: dict[str, Any]) -> Path:
-    """Write ``summary.json`` (and the curves PNG), log both to MLflow, return the summary path."""
-    summary = {
+    ``before``/``after``: the evaluation reports at step 0 and at the end; ``gate``: the promotion
+    result (None when promotion is disabled). Aggregates over the per-step history: sync bytes and
+    fraction of a full snapshot, staleness, orchestration overhead."""
+    steps = [h for h in ctx.history if h["kind"] == "step"]
+    fracs = [h["sync_fraction"] for h in steps if h.get("sync_fraction") is not None]
+    stale = [h.get("staleness", 0) for h in steps]
+    overheads = [h["orchestration_overhead_fraction"] for h in steps if h.get("orchestration_overhead_fraction")]
+    return {
         "run_id": ctx.run_id,
         "run_dir": str(ctx.run_dir),
         "mlflow_run_id": ctx.tracker.run_id,
         "tracking_uri": ctx.cfg.resolved_tracking_uri(),
         "store": ctx.store.uri,
         "wall_seconds": time.time() - ctx.started,
-        **fields,
+        "eval_before": before["score"], "eval_after": after["score"],
+        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"],
+        "steps": len(steps), "final_weight_version": after["version"],
+        "promoted": bool(gate and gate["promoted"]), "model_version": gate["model_version"] if gate else None,
+        "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
+        "sync_bytes_total": sum(h.get("sync_bytes") or 0 for h in steps),
+        "sync_fraction_mean": sum(fracs) / len(fracs) if fracs else 0.0,
+        "loop_mode": ctx.cfg.loop.mode, "max_staleness_seen": max(stale, default=0),
+        "staleness_bound": ctx.cfg.loop.max_staleness,
+        "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
         "history": ctx.history,
     }
+
+
+def write_summary(ctx: RunContext, summary: dict[str, Any]) -> Path:
+    """Write ``summary`` (from :func:`build_summary`) as ``summary.json`` and the curves PNG to the run
+    folder, log both to MLflow, return the summary path."""
     path = ctx.run_dir / "summary.json"
     path.write_text(json.dumps(summary, indent=2, default=str))
-    png = plot_curves(ctx.history, ctx.run_dir / "curves.png")
+    png = plot_curves(summary["history"], ctx.run_dir / "curves.png")
     ctx.tracker.log_artifact(path)
     ctx.tracker.log_artifact(png, "plots")
     return path

@@ -241,7 +241,7 @@ class Trainer:
 
     def op_train_step(self, step: int, rollouts_key: str, scores_key: str) -> dict[str, Any]:
         """One GRPO update from a scored rollout batch, publish the new version, checkpoint every K."""
-        from infra.train.grpo import build_batch, group_advantages, grpo_loss, merge_duplicates
+        from infra.train.grpo import group_advantages
 
         done_key = run_key(self.run_id, step, "train.json")
         if step <= self.step:
@@ -253,61 +253,11 @@ class Trainer:
         rollouts = get_json(self.store, rollouts_key)
         scores = get_json(self.store, scores_key)
         samples = rollouts["samples"]
-        group = rollouts["group_size"]
-        rewards = torch.tensor(scores["rewards"], dtype=torch.float32)
-        adv = group_advantages(rewards, group, norm=self.cfg.trainer.advantage_norm)
-        prompts = rollouts["prompts"]
-        # identical samples of one prompt train as one weighted row (same gradient, less compute);
-        # the distinct rows are dealt to the ranks round-robin
-        tcfg = self.cfg.trainer
         if not samples:
             raise ValueError(f"step {step}: the rollout batch {rollouts_key} has no samples")
-        keep, counts = merge_duplicates(samples) if tcfg.merge_duplicates else (
-            list(range(len(samples))), [1] * len(samples))
-        mine = list(range(self.rank, len(keep), self.world))
-        idx = [keep[j] for j in mine]
-        weight = [float(counts[j]) for j in mine]
-        total_tokens = sum(max(1, len(s["token_ids"])) for s in samples)
-        # every rank runs the same number of micro-batches (FSDP/ZeRO-3 gather weights in each
-        # forward); a rank short of rows runs a zero-weight row instead
-        per_rank = -(-len(keep) // self.world)
-        n_chunks = max(1, -(-per_rank // tcfg.micro_batch))
-        metrics_acc: dict[str, float] = {}  # token-weighted sums (loss: plain sum), reduced over ranks below
-        norm = 0.0
-        for _epoch in range(tcfg.inner_epochs):
-            for start in range(0, n_chunks * tcfg.micro_batch, tcfg.micro_batch):
-                chunk = idx[start : start + tcfg.micro_batch]
-                w = weight[start : start + tcfg.micro_batch]
-                if not chunk:
-                    chunk, w = [keep[0]], [0.0]
-                batch = build_batch(
-                    self.tokenizer,
-                    [prompts[samples[i]["prompt_index"]] for i in chunk],
-                    [samples[i] for i in chunk],
-                    adv[chunk],
-                    w,
-                )
-                with self.engine.autocast():
-                    loss, m = grpo_loss(
-                        self.engine.module, batch, clip_eps=tcfg.clip_eps, clip_eps_high=tcfg.clip_eps_high,
-                        kl_coef=tcfg.kl_coef, ref_model=self.ref_model, total_tokens=total_tokens / self.world,
-                        temperature=self.cfg.rollout.temperature,
-                    )
-                self.engine.backward(loss)
-                self._maybe_fault(step)
-                for k, v in m.items():
-                    metrics_acc[k] = metrics_acc.get(k, 0.0) + float(v) * (1.0 if k in ("loss", "tokens") else m["tokens"])
-            norm = self.engine.step()
-        names = sorted(metrics_acc)
-        local = torch.tensor([metrics_acc[k] for k in names], dtype=torch.float64)
-        if self.world > 1 and local.numel():
-            dist.all_reduce(local)
-        sums = dict(zip(names, local.tolist()))
-        tok = max(sums.get("tokens", 0.0), 1.0)
-        metrics = {k: (v if k in ("loss", "tokens") else v / tok) for k, v in sums.items()}
-        metrics["loss"] = sums.get("loss", 0.0) / tcfg.inner_epochs
-        metrics["tokens"] = sums.get("tokens", 0.0) / tcfg.inner_epochs
-        metrics["rows_trained"] = float(len(keep))
+        rewards = torch.tensor(scores["rewards"], dtype=torch.float32)
+        adv = group_advantages(rewards, rollouts["group_size"], norm=self.cfg.trainer.advantage_norm)
+        metrics, norm = self._grpo_update(step, rollouts["prompts"], samples, adv)
         self.step = step
         train_seconds = time.perf_counter() - t0
         publish = self._publish_next()
@@ -320,18 +270,77 @@ class Trainer:
                 result = {
                     "step": step,
                     "metrics": {**metrics, "grad_norm": norm, "train_seconds": train_seconds,
-                                "train_tokens_per_s": tokens * tcfg.inner_epochs / max(train_seconds, 1e-9),
+                                "train_tokens_per_s": tokens * self.cfg.trainer.inner_epochs / max(train_seconds, 1e-9),
                                 "reward_mean": float(rewards.mean()),
                                 "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0},
                     "publish": publish,
                 }
                 put_json(self.store, done_key, result)  # before the checkpoint: a restored step has its record
+        tcfg = self.cfg.trainer
         if step % tcfg.checkpoint_every == 0 or step == tcfg.steps:
             ckpt = self.op_checkpoint(step)
             if self.rank == 0:
                 result = {**result, "checkpoint": ckpt}
                 result["metrics"] = {**result.get("metrics", {}), "checkpoint_seconds": ckpt["seconds"]}
         return result
+
+    def _grpo_update(self, step: int, prompts: list[str], samples: list[dict[str, Any]],
+                     adv: torch.Tensor) -> tuple[dict[str, float], float]:
+        """Collective: ``inner_epochs`` optimizer steps on this rank's rows; (metrics over all ranks, grad norm).
+
+        Identical samples of one prompt train as one weighted row (same gradient, less compute); the
+        distinct rows are dealt to the ranks round-robin. Every rank runs the same number of
+        micro-batches (FSDP/ZeRO-3 gather weights in each forward); a rank short of rows runs a
+        zero-weight row instead."""
+        from infra.train.grpo import build_batch, grpo_loss, merge_duplicates
+
+        tcfg = self.cfg.trainer
+        keep, counts = merge_duplicates(samples) if tcfg.merge_duplicates else (
+            list(range(len(samples))), [1] * len(samples))
+        mine = list(range(self.rank, len(keep), self.world))
+        idx = [keep[j] for j in mine]
+        weight = [float(counts[j]) for j in mine]
+        total_tokens = sum(max(1, len(s["token_ids"])) for s in samples)
+        per_rank = -(-len(keep) // self.world)
+        n_chunks = max(1, -(-per_rank // tcfg.micro_batch))
+        metrics_acc: dict[str, float] = {}  # token-weighted sums (loss: plain sum), reduced over ranks below
+        norm = 0.0
+        for _epoch in range(tcfg.inner_epochs):
+            for start in range(0, n_chunks * tcfg.micro_batch, tcfg.micro_batch):
+                chunk = idx[start : start + tcfg.micro_batch]
+                w = weight[start : start + tcfg.micro_batch]
+                if not chunk:
+                    chunk, w = [keep[0]], [0.0]
+                batch = build_batch(self.tokenizer, [prompts[samples[i]["prompt_index"]] for i in chunk],
+                                    [samples[i] for i in chunk], adv[chunk], w)
+                with self.engine.autocast():
+                    loss, m = grpo_loss(
+                        self.engine.module, batch, clip_eps=tcfg.clip_eps, clip_eps_high=tcfg.clip_eps_high,
+                        kl_coef=tcfg.kl_coef, ref_model=self.ref_model, total_tokens=total_tokens / self.world,
+                        temperature=self.cfg.rollout.temperature,
+                    )
+                self.engine.backward(loss)
+                self._maybe_fault(step)
+                for k, v in m.items():
+                    metrics_acc[k] = metrics_acc.get(k, 0.0) + float(v) * (1.0 if k in ("loss", "tokens") else m["tokens"])
+            norm = self.engine.step()
+        metrics = self._reduce_metrics(metrics_acc)
+        metrics["rows_trained"] = float(len(keep))
+        return metrics, norm
+
+    def _reduce_metrics(self, acc: dict[str, float]) -> dict[str, float]:
+        """Collective: sum the per-rank metric sums; token-weighted means, loss and tokens per inner epoch."""
+        names = sorted(acc)
+        local = torch.tensor([acc[k] for k in names], dtype=torch.float64)
+        if self.world > 1 and local.numel():
+            dist.all_reduce(local)
+        sums = dict(zip(names, local.tolist()))
+        tok = max(sums.get("tokens", 0.0), 1.0)
+        metrics = {k: (v if k in ("loss", "tokens") else v / tok) for k, v in sums.items()}
+        epochs = self.cfg.trainer.inner_epochs
+        metrics["loss"] = sums.get("loss", 0.0) / epochs
+        metrics["tokens"] = sums.get("tokens", 0.0) / epochs
+        return metrics
 
     # ---------------------------------------------------------------------------------- export
     def op_export(self, path: str) -> dict[str, Any]:
