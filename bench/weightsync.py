@@ -231,12 +231,12 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int,
     CPU-second of this process (what one core does when the machine is shared and the process keeps
     getting descheduled) and, last, the stateless encode rate (no base update, no kept lists).
     """
-    from infra.weightsync import kernels
     from infra.weightsync.chunks import apply_frame, encode_chunk
     from infra.weightsync.hotwords import HotWords
-    from infra.weightsync.publisher import chunk_bounds
+    from infra.weightsync.layout import chunk_bounds
+    from infra.weightsync.warmup import warm_up
 
-    kernels.warm_up()  # compile/load the numba kernels outside the timed loops
+    warm_up()  # compile/load the numba kernels outside the timed loops
     jobs = []
     for k in after:
         o, n = _words(before[k]), _words(after[k])
@@ -309,7 +309,7 @@ def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any) -> di
     import torch
 
     from infra.weightsync import VersionPublisher, VersionReader
-    from infra.weightsync.testing import same
+    from infra.weightsync.rawbytes import same_bits as same
 
     out: dict[str, float] = {}
     # full: a fresh reader gets a keyframe
@@ -360,9 +360,10 @@ def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any) -> di
 
 
 def _impl() -> str:
-    from infra.weightsync import kernels
+    """Which codec implementation runs: ``"numba"`` or ``"numpy"``."""
+    from infra.weightsync.kernels import implementation
 
-    return kernels.implementation()
+    return implementation()
 
 
 def hardware() -> str:

@@ -47,8 +47,7 @@ def publish(
     threads: int = _THREADS,
 ) -> None:
     """Publish FOLDER as the next version; prints the version and the bytes written."""
-    from infra.weightsync import VersionPublisher
-    from infra.weightsync.folder import read_folder
+    from infra.weightsync import VersionPublisher, read_folder
 
     tensors, files, meta = read_folder(folder)
     pub = VersionPublisher(_open(store, endpoint_url), prefix, keyframe_every=keyframe_every, codec=codec,  # type: ignore[arg-type]
@@ -73,8 +72,7 @@ def fetch(
     strict: bool = typer.Option(False, "--strict", help="Fail on the first fault instead of recovering."),
 ) -> None:
     """Fetch a version into OUT as a safetensors folder identical to the one published."""
-    from infra.weightsync import VersionReader
-    from infra.weightsync.folder import read_folder, read_marker, write_folder
+    from infra.weightsync import VersionReader, read_folder, read_marker, write_folder
 
     st = _open(store, endpoint_url)
     rd = VersionReader(st, prefix, threads=threads, strict=strict)
@@ -98,7 +96,7 @@ def fetch(
 @sync_app.command("list")
 def list_versions(store: str = _STORE, prefix: str = _PREFIX, endpoint_url: Optional[str] = _ENDPOINT) -> None:
     """List committed versions (K = keyframe)."""
-    from infra.weightsync.layout import scan_versions
+    from infra.weightsync import scan_versions
 
     committed, keyframes, _ = scan_versions(_open(store, endpoint_url).list(prefix.strip("/") + "/"))
     for v in committed:

@@ -32,6 +32,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 # compile the weight-sync codec's numba kernels into the on-disk cache now (30-50 s once), not
 # inside the first pipeline run; a warm cache loads in about a second
-.venv/bin/python -c "from infra.weightsync.kernels import warm_up; warm_up()" \
+.venv/bin/python -c "from infra.weightsync.warmup import warm_up; warm_up()" \
   || echo "[setup] WARNING: weight-sync kernels did not compile; the numpy fallback will run" >&2
 echo "[setup] ready: .venv/bin/deltaloop"

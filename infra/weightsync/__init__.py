@@ -1,6 +1,12 @@
-"""Weight sync: versioned keyframe + delta checkpoints in an object store, and same-cluster broadcast.
+"""Weight sync: every policy version from the trainer to the rollout workers, through an object store.
 
-Public API::
+The trainer publishes version N as a keyframe (the full weights) or as a delta against N-1: per
+chunk of every tensor, the changed words of its raw bytes, coded near their entropy, with an
+xxh3-128 digest; a manifest written last commits the version. Readers replay from the newest
+keyframe at or below their target, or from the version they hold, and verify every chunk. The
+format, the guarantees and measured numbers are in ``docs/weightsync.md``.
+
+Usage::
 
     pub = VersionPublisher(store, prefix="runs/<run>/weights", keyframe_every=10, codec="auto",
                            zstd_level=1, threads=2)
@@ -8,8 +14,34 @@ Public API::
     rd = VersionReader(store, prefix="runs/<run>/weights", threads=2)
     rd.latest()                            # -> int | None
     tensors, version = rd.fetch(target=None, have=None, have_version=None)
+    pub.close(); rd.close()                # stop their kept threads (optional)
 
-See ``docs/weightsync.md`` for the format, the guarantees and measured numbers.
+The package, in reading order (each module's docstring says what it does and why):
+
+=======================  ===========================================================================
+``publisher.py``         :class:`VersionPublisher`: encode chunks on a thread pool, upload shards
+                         while encoding, write the manifest last
+``reader.py``            :class:`VersionReader`: pick a replay path, download byte ranges, decode
+                         and verify in a pipeline, fall back to older keyframes on a fault
+``errors.py``            :class:`WeightSyncError` and its subclasses (each names version and tensor)
+``layout.py``            object names, the manifest format, chunk bounds, version listing
+``gc.py``                :func:`collect`: delete versions no reader path still needs
+``folder.py``            safetensors folders <-> versions (``deltaloop sync publish/fetch``)
+``chunks.py``            the per-chunk work of publisher and reader: encode, decode + verify
+``codec.py``             frames: ``raw`` (keyframes), ``xor`` (reference), ``sparse`` (deltas)
+``hotwords.py``          the publisher's hot-word lists, kept across versions
+``kernels.py``           the sparse codec's hot loops: numba kernels or the numpy reference
+``sparse_format.py``     the sparse frame body: constants and word arithmetic both coders share
+``reference.py``         the numpy reference coder (the definition; the fallback without numba)
+``numba_kernels.py``     the numba kernels, byte-identical to the reference
+``native.py``            xxh3-128 and zstd decompression callable from numba kernels
+``bitpack.py``           Rice coding of sorted positions (numpy)
+``rawbytes.py``          tensors as unsigned words of their raw bytes; bit-exact compare
+``pools.py``             thread pools kept across calls, and settling abandoned work
+``warmup.py``            :func:`warm_up`: compile or load every kernel before the first sync
+=======================  ===========================================================================
+
+``infra/gcpause.py`` holds the cyclic garbage collector off during ``publish`` and ``fetch``.
 """
 
 from infra.weightsync.errors import (
@@ -21,13 +53,18 @@ from infra.weightsync.errors import (
     WeightSyncError,
     WrongBase,
 )
+from infra.weightsync.folder import FolderError, read_folder, read_marker, write_folder
 from infra.weightsync.gc import collect
+from infra.weightsync.layout import Manifest, scan_versions
 from infra.weightsync.publisher import PublishInfo, VersionPublisher
 from infra.weightsync.reader import VersionReader
+from infra.weightsync.warmup import warm_up
 
 __all__ = [
     "CorruptData",
+    "FolderError",
     "IncompatibleTensors",
+    "Manifest",
     "ManifestError",
     "MissingObject",
     "PublishInfo",
@@ -37,4 +74,9 @@ __all__ = [
     "WeightSyncError",
     "WrongBase",
     "collect",
+    "read_folder",
+    "read_marker",
+    "scan_versions",
+    "warm_up",
+    "write_folder",
 ]

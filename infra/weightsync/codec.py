@@ -29,8 +29,15 @@ from typing import Literal
 import numpy as np
 import zstandard
 
-from infra.weightsync import kernels
+from infra.weightsync.kernels import (
+    apply_sparse_digest,
+    apply_values,
+    changed_positions,
+    decode_positions_ctx,
+    sparse_parts,
+)
 from infra.weightsync.rawbytes import word_dtype
+from infra.weightsync.sparse_format import HotSource
 
 CodecName = Literal["auto", "xor", "sparse"]
 TAG_RAW, TAG_XOR, TAG_SPARSE = 1, 2, 3
@@ -90,11 +97,6 @@ def _decompress(data: memoryview | bytes, size: int) -> bytes:
     return out
 
 
-def changed_positions(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Sorted indices (int64) of the words where ``old`` and ``new`` differ."""
-    return kernels.changed_positions(old, new)
-
-
 def encode_raw(new: np.ndarray, level: int) -> bytes:
     """Keyframe frame of ``new`` words."""
     return _HDR.pack(TAG_RAW, new.dtype.itemsize, len(new)) + _cctx(level).compress(_split(new))
@@ -106,13 +108,13 @@ def encode_xor(old: np.ndarray, new: np.ndarray, level: int) -> bytes:
 
 
 def encode_sparse(old: np.ndarray, new: np.ndarray, level: int, idx: np.ndarray | None = None,
-                  hot: kernels.HotSource | None = None) -> bytes:
+                  hot: HotSource | None = None) -> bytes:
     """Sparse delta frame (positions + ordered, byte-split zigzag integer differences).
 
     ``hot``: the hot-word list of ``old`` from a cache (:mod:`infra.weightsync.hotwords`), else scanned."""
     if idx is None:
         idx = changed_positions(old, new)
-    planes, positions = kernels.sparse_parts(old, new, idx, hot)
+    planes, positions = sparse_parts(old, new, idx, hot)
     return sparse_frame(planes, positions, new.dtype.itemsize, len(new), len(idx), level)
 
 
@@ -125,7 +127,7 @@ def sparse_frame(planes: np.ndarray, positions: bytes | np.ndarray, w: int, n: i
 
 def encode_delta(
     old: np.ndarray, new: np.ndarray, codec: CodecName = "auto", level: int = 1,
-    hot: kernels.HotSource | None = None,
+    hot: HotSource | None = None,
 ) -> tuple[bytes | None, np.ndarray | None]:
     """Encode the change from ``old`` to ``new`` (same dtype and length).
 
@@ -155,7 +157,7 @@ def frame_tag(frame: bytes | memoryview) -> str:
 
 def decode_digest(frame: bytes | memoryview, buf: np.ndarray) -> str | None:
     """:func:`decode_into` a sparse frame and return the xxh3-128 hex digest of ``buf`` after it,
-    in one native call that holds no GIL (:func:`kernels.apply_sparse_digest`).
+    in one native call that holds no GIL (:func:`~infra.weightsync.kernels.apply_sparse_digest`).
 
     None, with ``buf`` untouched, for anything else (raw and xor frames, a header that does not
     fit ``buf``, no native path): the caller then decodes with :func:`decode_into`, which also
@@ -166,10 +168,10 @@ def decode_digest(frame: bytes | memoryview, buf: np.ndarray) -> str | None:
     tag, w, n = _HDR.unpack_from(mv, 0)
     if tag != TAG_SPARSE or w != buf.dtype.itemsize or n != len(buf):
         return None
-    return kernels.apply_sparse_digest(np.frombuffer(mv[_HDR.size :], np.uint8), buf)
+    return apply_sparse_digest(np.frombuffer(mv[_HDR.size :], np.uint8), buf)
 
 
-def decode_into(frame: bytes | memoryview, buf: np.ndarray, hot: kernels.HotSource | None = None) -> np.ndarray | None:
+def decode_into(frame: bytes | memoryview, buf: np.ndarray, hot: HotSource | None = None) -> np.ndarray | None:
     """Apply ``frame`` to ``buf`` in place: ``buf`` holds the base words (ignored for raw frames).
 
     Returns the changed positions for a sparse frame, None for raw and xor frames (any word may
@@ -192,7 +194,7 @@ def decode_into(frame: bytes | memoryview, buf: np.ndarray, hot: kernels.HotSour
         return None
     if tag == TAG_SPARSE:
         body_u8 = np.frombuffer(body, np.uint8)
-        idx, used = kernels.decode_positions_ctx(body_u8, buf, hot)
+        idx, used = decode_positions_ctx(body_u8, buf, hot)
         if used + _SPARSE_LEN.size > len(body):
             raise ValueError("sparse frame truncated")
         (vlen,) = _SPARSE_LEN.unpack_from(body, used)
@@ -202,6 +204,6 @@ def decode_into(frame: bytes | memoryview, buf: np.ndarray, hot: kernels.HotSour
         if len(idx) == 0:
             return idx
         planes = np.frombuffer(_decompress(body[used:], len(idx) * w), np.uint8)
-        kernels.apply_values(buf, idx, planes)
+        apply_values(buf, idx, planes)
         return idx
     raise ValueError(f"unknown frame tag {tag}")

@@ -33,13 +33,13 @@ from typing import Hashable
 
 import numpy as np
 
-from infra.weightsync import kernels
+from infra.weightsync.kernels import hot_filter, hot_update, hot_words, magnitude_mask
 
 MARGIN = 2  # exponent steps of headroom above the requested threshold (x4 in magnitude)
 
 
 class ChunkHot:
-    """The hot-word source of one chunk for one encode or decode (a ``kernels.HotSource``)."""
+    """The hot-word source of one chunk for one encode or decode (a :data:`~infra.weightsync.sparse_format.HotSource`)."""
 
     __slots__ = ("cache", "key", "words")
 
@@ -49,13 +49,13 @@ class ChunkHot:
     def __call__(self, thr: int) -> np.ndarray:
         """Sorted positions of this chunk's words with magnitude below ``thr``."""
         w = self.words.dtype.itemsize
-        mm = kernels.magnitude_mask(w)
+        mm = magnitude_mask(w)
         thr = min(int(thr), mm + 1)
         ent = self.cache._lists.get(self.key)
         if ent is None or thr > ent[0]:
             shift = 8 * w - 9 if w > 1 else 0
             cap = min(thr + (MARGIN << shift), mm + 1)
-            ent = (cap, kernels.hot_words(self.words, cap))
+            ent = (cap, hot_words(self.words, cap))
             self.cache._lists[self.key] = ent
             self.cache.scans += 1
         else:
@@ -63,7 +63,7 @@ class ChunkHot:
         cap, hot = ent
         if thr >= cap:
             return hot
-        return kernels.hot_filter(hot, self.words, thr)
+        return hot_filter(hot, self.words, thr)
 
     def entry(self) -> tuple[int, np.ndarray] | None:
         """The kept ``(cap, list)`` of this chunk, or None (for the native encoder)."""
@@ -90,7 +90,7 @@ class ChunkHot:
             self.cache._lists.pop(self.key, None)
             return
         if len(idx):
-            self.cache._lists[self.key] = (ent[0], kernels.hot_update(ent[1], idx, self.words, ent[0]))
+            self.cache._lists[self.key] = (ent[0], hot_update(ent[1], idx, self.words, ent[0]))
 
 
 class HotWords:

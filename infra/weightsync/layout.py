@@ -45,6 +45,15 @@ _TAIL_LEN = struct.Struct("<I")
 _VERSION_RE = re.compile(r"(?:^|/)v(\d{8})/(" + re.escape(MANIFEST) + "|" + KEYFRAME_MARK + r")$")
 
 
+def chunk_bounds(nwords: int, width: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Word ranges ``[start, end)`` of the chunks of a tensor of ``nwords`` words of ``width`` bytes.
+
+    A manifest's chunk entries are these ranges, in order: the publisher cuts tensors with it and a
+    reader finds a chunk's words with it, given the manifest's ``chunk_bytes``."""
+    step = max(1, chunk_bytes // width)
+    return [(s, min(s + step, nwords)) for s in range(0, nwords, step)]
+
+
 def version_dir(prefix: str, version: int) -> str:
     """``P/v00000007``."""
     return f"{prefix.strip('/')}/v{version:08d}"

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from infra.gcpause import deferred_gc
-from infra.weightsync import kernels
 from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
 from infra.weightsync.errors import WeightSyncError
+from infra.weightsync.gc import collect
 from infra.weightsync.hotwords import HotWords
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
@@ -44,6 +44,7 @@ from infra.weightsync.layout import (
     ChunkEntry,
     Manifest,
     TensorEntry,
+    chunk_bounds,
     digest,
     files_key,
     manifest_key,
@@ -53,6 +54,8 @@ from infra.weightsync.layout import (
 )
 from infra.weightsync.pools import Pools, settle
 from infra.weightsync.rawbytes import dtype_name, tensor_words
+from infra.weightsync.reader import VersionReader
+from infra.weightsync.warmup import warm_up
 
 if TYPE_CHECKING:
     import torch
@@ -74,12 +77,6 @@ class PublishInfo:
     raw_bytes: int
     seconds: float
     changed_fraction: float
-
-
-def chunk_bounds(nwords: int, width: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Word ranges ``[start, end)`` of the chunks of a tensor."""
-    step = max(1, chunk_bytes // width)
-    return [(s, min(s + step, nwords)) for s in range(0, nwords, step)]
 
 
 class _Shards:
@@ -145,7 +142,7 @@ class VersionPublisher:
         io_threads: int = 4,
         keep_versions: int = 0,
     ) -> None:
-        kernels.warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
+        warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
         if keyframe_every < 1:
             raise ValueError(f"keyframe_every must be >= 1, got {keyframe_every}")
         if codec not in ("auto", "xor", "sparse"):
@@ -170,8 +167,6 @@ class VersionPublisher:
             self._resume()
 
     def _resume(self) -> None:
-        from infra.weightsync.reader import VersionReader
-
         reader = VersionReader(self.store, self.prefix, threads=self.threads)
         try:
             tensors, v = reader.fetch(self.version)
@@ -352,8 +347,6 @@ class VersionPublisher:
         self._files = file_digests
         raw = sum(t.nbytes for t in man.tensors)
         if self.keep_versions:
-            from infra.weightsync.gc import collect
-
             collect(self.store, self.prefix, self.keep_versions)
         info = PublishInfo(
             version=version,

@@ -75,3 +75,21 @@ def bytes_to_tensor(buf: np.ndarray, dtype: "torch.dtype", shape: tuple[int, ...
     if dtype != torch.uint8:
         raw = raw.view(dtype)
     return raw.reshape(shape)
+
+
+def same_bits(a: dict[str, "torch.Tensor"], b: dict[str, "torch.Tensor"]) -> bool:
+    """Bit-exact equality of two tensor dicts: same names, dtypes, shapes and raw bytes.
+
+    Compares bytes, not values, so NaN payloads and -0.0 count, as the codec's guarantee does;
+    ``torch.equal`` on uint8 views, no Python lists (checks of a 270 MB model stay cheap)."""
+    import torch
+
+    if sorted(a) != sorted(b):
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)):
+            return False
+    return True

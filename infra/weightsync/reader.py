@@ -39,7 +39,6 @@ import numpy as np
 
 from infra.gcpause import deferred_gc
 from infra.storage import ObjectNotFound
-from infra.weightsync import kernels
 from infra.weightsync.chunks import apply_frame
 from infra.weightsync.errors import (
     CorruptData,
@@ -49,9 +48,17 @@ from infra.weightsync.errors import (
     WeightSyncError,
     WrongBase,
 )
-from infra.weightsync.layout import TAIL_SHARD, Manifest, digest, files_key, manifest_key, scan_versions, version_dir
+from infra.weightsync.layout import (
+    TAIL_SHARD,
+    Manifest,
+    chunk_bounds,
+    digest,
+    files_key,
+    manifest_key,
+    scan_versions,
+    version_dir,
+)
 from infra.weightsync.pools import Pools, settle
-from infra.weightsync.publisher import chunk_bounds
 from infra.weightsync.rawbytes import (
     bytes_to_tensor,
     dtype_from_name,
@@ -60,6 +67,7 @@ from infra.weightsync.rawbytes import (
     word_dtype,
     word_width,
 )
+from infra.weightsync.warmup import warm_up
 
 if TYPE_CHECKING:
     import torch
@@ -97,7 +105,7 @@ class VersionReader:
         strict: bool = False,
         max_fallbacks: int = 3,
     ) -> None:
-        kernels.warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
+        warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
         self.store, self.prefix = store, prefix.strip("/")
         self.threads, self.io_threads = max(1, threads), max(1, io_threads)
         self.range_bytes, self.budget_bytes = range_bytes, budget_bytes

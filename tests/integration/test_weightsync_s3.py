@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from infra.storage import S3Store
 from infra.weightsync import MissingObject, VersionPublisher, VersionReader, collect
-from infra.weightsync.testing import Drift, same
+from tests.weightsync_helpers import Drift, same
 
 PREFIX = "runs/s3/weights"
 

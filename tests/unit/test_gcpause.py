@@ -12,7 +12,7 @@ import torch
 from infra.gcpause import deferred_gc, freeze_startup_objects
 from infra.storage import FileStore
 from infra.weightsync import VersionPublisher, VersionReader
-from infra.weightsync.testing import Drift, same
+from tests.weightsync_helpers import Drift, same
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from deltaloop.cli_sync import register
-from infra.weightsync.testing import Drift
+from tests.weightsync_helpers import Drift
 
 
 def _app() -> typer.Typer:

@@ -25,7 +25,7 @@ from infra.weightsync import (
     VersionReader,
     WrongBase,
 )
-from infra.weightsync.testing import Drift, same
+from tests.weightsync_helpers import Drift, same
 
 PREFIX = "runs/f/weights"
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import torch
 from infra.storage import FileStore
 from infra.weightsync import VersionPublisher, VersionReader, codec, hotwords, kernels
 from infra.weightsync.chunks import apply_frame, encode_chunk
-from infra.weightsync.testing import same
+from tests.weightsync_helpers import same
 
 IMPLS = ["numpy"] + (["numba"] if kernels.HAVE_NUMBA else [])
 

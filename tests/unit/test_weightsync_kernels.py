@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from infra.weightsync import codec, kernels
-from infra.weightsync.testing import word_pair as _case
+from infra.weightsync.sparse_format import magnitude_mask
+from tests.weightsync_helpers import word_pair as _case
 
 needs_numba = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
 
@@ -90,17 +91,19 @@ def test_set_implementation_rejects_unknown_names() -> None:
 def test_hot_words_kernel_matches_the_definition() -> None:
     """The SWAR magnitude-class scan lists exactly the words with ``(w & mask) < thr``: every word
     width, lengths not a multiple of 8 bytes, thresholds 0, inside, at and above the mask."""
+    from infra.weightsync import numba_kernels
+
     rng = np.random.default_rng(5)
     for dt in (np.uint8, np.uint16, np.uint32, np.uint64):
-        mm = kernels._consts(np.dtype(dt).itemsize)[2]
+        mm = magnitude_mask(np.dtype(dt).itemsize)
         for n in (0, 1, 3, 15, 255, 256, 257, 1000, 70001):
             buf = rng.integers(0, np.iinfo(dt).max, n, dtype=dt, endpoint=True)
             buf[: n // 3] &= dt(mm >> 4)  # a clustered run of small magnitudes
             for thr in (0, 1, mm // 1000, mm // 3, mm, mm + 1, mm + 5, 2**64 - 1):
-                got = kernels._nb_hot_words(buf, np.uint64(mm), np.uint64(thr))
+                got = numba_kernels.hot_words(buf, np.uint64(mm), np.uint64(thr))
                 want = np.flatnonzero((buf.astype(np.uint64) & np.uint64(mm)) < np.uint64(thr))
                 assert np.array_equal(got, want), (dt, n, thr)
                 if n > 8:  # an unaligned view (offset by one word) too
-                    got = kernels._nb_hot_words(buf[1:], np.uint64(mm), np.uint64(thr))
+                    got = numba_kernels.hot_words(buf[1:], np.uint64(mm), np.uint64(thr))
                     want = np.flatnonzero((buf[1:].astype(np.uint64) & np.uint64(mm)) < np.uint64(thr))
                     assert np.array_equal(got, want), (dt, n, thr, "unaligned")

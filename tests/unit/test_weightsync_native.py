@@ -9,7 +9,7 @@ import xxhash
 
 from infra.weightsync import codec, kernels, native
 from infra.weightsync.layout import digest
-from infra.weightsync.testing import word_pair as _case
+from tests.weightsync_helpers import word_pair as _case
 
 needs_native = pytest.mark.skipif(not (kernels.HAVE_NUMBA and native.AVAILABLE),
                                   reason="numba or the native xxh3/zstd symbols are not available")

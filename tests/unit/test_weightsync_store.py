@@ -11,7 +11,7 @@ import torch
 from infra.storage import FileStore
 from infra.weightsync import VersionPublisher, VersionReader, collect
 from infra.weightsync.layout import scan_versions
-from infra.weightsync.testing import Drift, same
+from tests.weightsync_helpers import Drift, same
 
 PREFIX = "runs/t/weights"
 

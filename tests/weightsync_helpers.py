@@ -1,9 +1,14 @@
-"""Test helpers for weight sync: a small bf16 model that drifts like RL updates, bit-exact compare."""
+"""Test helpers for weight sync: a small bf16 model that drifts like RL updates, random word pairs
+for the codec, and the bit-exact compare (``same``, from :mod:`infra.weightsync.rawbytes`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from infra.weightsync.rawbytes import same_bits as same
+
+__all__ = ["Drift", "same", "word_pair"]
 
 
 class Drift:
@@ -28,21 +33,6 @@ class Drift:
         out = {k: v.to(torch.bfloat16) for k, v in self.master.items()}
         out.update({k: v.clone() for k, v in self.extra.items()})
         return out
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Bit-exact equality of two tensor dicts (same names, dtypes, shapes, bytes)."""
-    if list(sorted(a)) != list(sorted(b)):
-        return False
-    for k in a:
-        x, y = a[k], b[k]
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        # integer compare of the raw bytes: bit-exact (NaN payloads, -0.0), and without building
-        # Python lists (the benchmark checks a 269 MB model after every timed sync)
-        if not torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)):
-            return False
-    return True
 
 
 def word_pair(rng: np.random.Generator, trial: int) -> tuple[np.ndarray, np.ndarray]:
