@@ -1,12 +1,17 @@
 """Benchmarks run by ``deltaloop bench NAME --json PATH``.
 
 Each benchmark is a module ``bench/<name>.py`` with ``run(json_path: Path, quick: bool) -> object``
-that prints a table and writes its JSON result to ``json_path``. Register new ones in ``BENCHMARKS``.
+that prints a table and writes its JSON result to ``json_path``. :data:`BENCHMARKS` names them
+(``module:run``, imported only when chosen); add new ones there.
 """
 
-BENCHMARKS: dict[str, str] = {
-    "weightsync": "bench.weightsync",
-    "sandbox": "bench.sandbox",
-    "rollout": "bench.rollout",
-    "train": "bench.train",
-}
+from __future__ import annotations
+
+from infra.backends import Registry
+
+BENCHMARKS: Registry[object] = Registry("benchmark", {
+    "weightsync": "bench.weightsync:run",
+    "sandbox": "bench.sandbox:run",
+    "rollout": "bench.rollout:run",
+    "train": "bench.train:run",
+})

@@ -15,8 +15,8 @@ machine a ratio measured at a high load is less trustworthy than one measured id
 ``logprob_max_abs_err``: the engine's per-token log-probs versus a teacher-forced forward pass of
 the same weights (:func:`infra.train.grpo.token_logprobs`, what the trainer computes).
 
-The ``async`` object comes from ``flows.async_compare.compare(quick)`` when that module exists
-(sync versus async RL on the demo config); otherwise ``{"pending": true}``.
+The ``async`` object comes from ``flows.async_compare.compare(quick)`` (sync versus async RL on
+the demo config).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 from bench.machine import cpu_model, load_avg
 
 import hashlib
-import importlib
 import json
 import os
 import time
@@ -159,15 +158,10 @@ def compare(name: str, model: Any, tok: Any, prompts: list[str], batch: int, rou
 
 
 def async_section(quick: bool) -> dict[str, Any]:
-    """``flows.async_compare.compare(quick)`` if the integrator's module exists, else pending."""
-    try:
-        mod = importlib.import_module("flows.async_compare")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("flows", "flows.async_compare"):
-            raise
-        return {"pending": True}
-    fn = getattr(mod, "compare", None)
-    return fn(quick) if fn is not None else {"pending": True}
+    """The sync-vs-async loop comparison of :func:`flows.async_compare.compare`."""
+    from flows.async_compare import compare
+
+    return compare(quick)
 
 
 def run(json_path: Path, quick: bool) -> dict[str, Any]:

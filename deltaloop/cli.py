@@ -20,36 +20,26 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    """Attach every sub-command module that exists (each defines ``register(app)``)."""
-    import importlib
+    """Attach every sub-command module (each defines ``register(app)``)."""
+    from deltaloop import cli_bench, cli_ops, cli_run, cli_sandbox, cli_sync
 
-    for name in ("cli_run", "cli_sync", "cli_sandbox", "cli_bench", "cli_ops"):
-        try:
-            module = importlib.import_module(f"deltaloop.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"deltaloop.{name}":
-                continue
-            raise
+    for module in (cli_run, cli_sync, cli_sandbox, cli_bench, cli_ops):
         module.register(app)
 
 
 def _user_error(exc: BaseException) -> bool:
     """True for errors that describe the user's input or environment (a missing file, an empty or
-    unreachable store, a corrupt version, no sandbox runtime...): those print one line, not a
-    traceback. Anything else is a bug and keeps its traceback."""
+    unreachable store, a corrupt version, no sandbox runtime...): every
+    :class:`~infra.errors.DeltaloopError`, file errors and MLflow's errors. Those print one line,
+    not a traceback; anything else is a bug and keeps its traceback."""
     import sys
 
-    if isinstance(exc, (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
+    from infra.errors import DeltaloopError
+
+    if isinstance(exc, (DeltaloopError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)):
         return True
-    kinds: list[type] = []
-    for module, names in (("infra.storage", ("StorageError",)), ("infra.weightsync.errors", ("WeightSyncError",)),
-                          ("infra.weightsync.folder", ("FolderError",)),
-                          ("infra.sandbox.types", ("SandboxError",)), ("infra.cluster.base", ("ClusterError",)),
-                          ("infra.train.checkpoint", ("CheckpointError",)), ("infra.config", ("ConfigError",)),
-                          ("mlflow.exceptions", ("MlflowException",))):
-        mod = sys.modules.get(module)  # only what the command imported: nothing is loaded here
-        kinds += [getattr(mod, n) for n in names if mod is not None and hasattr(mod, n)]
-    return isinstance(exc, tuple(kinds))
+    mlflow_exceptions = sys.modules.get("mlflow.exceptions")  # loaded only if the command used MLflow
+    return mlflow_exceptions is not None and isinstance(exc, mlflow_exceptions.MlflowException)
 
 
 def main() -> None:

@@ -16,10 +16,11 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
+from infra.errors import DeltaloopError
 from infra.storage import ObjectNotFound, ObjectStore, get_json, put_json
 
 
-class RemoteError(RuntimeError):
+class RemoteError(DeltaloopError):
     """A command failed inside the service. ``retryable`` mirrors the remote exception's flag."""
 
     def __init__(self, op: str, message: str, tb: str, retryable: bool) -> None:
@@ -28,7 +29,7 @@ class RemoteError(RuntimeError):
         self.retryable = retryable
 
 
-class ServiceDied(RuntimeError):
+class ServiceDied(DeltaloopError):
     """The service process exited or the connection broke. A restart may help."""
 
     retryable = True

@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from infra.errors import DeltaloopError
 from infra.lifeline import pid_alive
 
 POOL = "deltaloop-process"
 MLFLOW_UI_ENV = "DELTALOOP_MLFLOW_UI_URL"
 
 
-class ServeError(RuntimeError):
+class ServeError(DeltaloopError):
     """A part of the stack failed to start; the message names it and quotes its log."""
 
 

@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
+from infra.backends import Registry
+from infra.errors import DeltaloopError
 
-class StorageError(RuntimeError):
-    """An object-store operation failed. ``retryable`` says whether trying again can help."""
+
+class StorageError(DeltaloopError):
+    """An object-store operation failed (network, throttling, a full disk): trying again can help."""
 
     retryable = True
 
@@ -37,6 +40,12 @@ class ObjectNotFound(StorageError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else "object not found"
+
+
+class BucketNotFound(StorageError):
+    """The S3 bucket of the store does not exist (a configuration error: retrying cannot help)."""
+
+    retryable = False
 
 
 @runtime_checkable
@@ -178,9 +187,7 @@ class S3Store:
             if code in ("NoSuchKey", "404", "NotFound"):
                 return ObjectNotFound(f"{self.uri}/{key} not found")
             if code == "NoSuchBucket":
-                err = StorageError(f"bucket {self.bucket!r} does not exist ({self.uri})")
-                err.retryable = False
-                return err
+                return BucketNotFound(f"bucket {self.bucket!r} does not exist ({self.uri})")
         return StorageError(f"{self.uri}/{key}: {exc}")
 
     def put(self, key: str, data: bytes) -> None:
@@ -253,17 +260,26 @@ class S3Store:
             self._client.create_bucket(Bucket=self.bucket)
 
 
+def _file_store(uri: str, endpoint_url: str | None = None, region: str | None = None) -> FileStore:
+    """``file:///abs``, ``file://relative`` or a plain path (endpoint and region do not apply)."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        return FileStore(uri)
+    return FileStore(parsed.netloc + parsed.path if parsed.netloc else parsed.path)
+
+
+#: URI scheme -> store (``""``, a plain path, is ``file``).
+STORES: Registry[ObjectStore] = Registry("object-store scheme", {"file": _file_store, "s3": S3Store})
+
+
 def open_store(uri: str, endpoint_url: str | None = None, region: str | None = None) -> ObjectStore:
     """Open an object store from a URI: ``file:///path``, a plain path, or ``s3://bucket/prefix``."""
-    parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        path = parsed.path if parsed.scheme == "file" else uri
-        if parsed.scheme == "file" and parsed.netloc:  # file://relative/path
-            path = parsed.netloc + parsed.path
-        return FileStore(path)
-    if parsed.scheme == "s3":
-        return S3Store(uri, endpoint_url=endpoint_url, region=region)
-    raise ValueError(f"unknown object-store scheme {parsed.scheme!r} in {uri!r}; known: file, s3")
+    scheme = urlparse(uri).scheme or "file"
+    try:
+        factory = STORES.get(scheme)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (in {uri!r})") from None
+    return factory(uri, endpoint_url=endpoint_url, region=region)
 
 
 def run_key(run_id: str, step: int | None, *parts: str) -> str:

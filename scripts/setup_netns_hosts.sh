@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fake multi-host cluster on this machine: network namespaces with sshd (see infra/cluster/netns.py).
+# Fake multi-host cluster on this machine: network namespaces with sshd (see tests/integration/netns.py).
 #
 #   scripts/setup_netns_hosts.sh install          # apt packages the netns tests need (root, Debian/Ubuntu)
 #   scripts/setup_netns_hosts.sh up DIR [N]       # N hosts (default 2); prints a cluster: YAML snippet
@@ -26,7 +26,7 @@ install() {
 
 case "${1:-}" in
   install) install ;;
-  up) install; "$PY" -m infra.cluster.netns up --dir "$2" --hosts "${3:-2}" ;;
-  down) "$PY" -m infra.cluster.netns down --dir "$2" ;;
+  up) install; "$PY" -m tests.integration.netns up --dir "$2" --hosts "${3:-2}" ;;
+  down) "$PY" -m tests.integration.netns down --dir "$2" ;;
   *) sed -n '2,9p' "$0"; exit 2 ;;
 esac

@@ -2,43 +2,33 @@
 
 A provider is selected by ``cluster.type`` through :func:`create_provider`. Each provider launches a
 Python module under ``torch.distributed.run`` (torchrun) on its machines and returns a
-:class:`~infra.cluster.base.GroupHandle` that can be polled and torn down.
+:class:`~infra.cluster.base.GroupHandle` that can be polled and torn down. Providers are listed in
+:data:`PROVIDERS` by ``module:class`` and imported only when chosen (one module per provider).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
+from infra.backends import Registry
 from infra.cluster.base import ClusterProvider, GroupHandle
 from infra.config import ClusterConfig
 
-_PROVIDERS: dict[str, Callable[[ClusterConfig], ClusterProvider]] = {}
+PROVIDERS: Registry[ClusterProvider] = Registry("cluster provider", {
+    "local": "infra.cluster.local:LocalProvider",
+    "hosts": "infra.cluster.hosts:HostsProvider",
+    "kubernetes": "infra.cluster.kubernetes:KubernetesProvider",
+})
 
 
-def register_provider(name: str, factory: Callable[[ClusterConfig], ClusterProvider]) -> None:
-    """Register a provider factory under ``name`` (the value of ``cluster.type``)."""
-    _PROVIDERS[name] = factory
+def register_provider(name: str, factory: Callable[[ClusterConfig], ClusterProvider] | str) -> None:
+    """Register a provider factory (or a lazy ``"module:attr"``) under ``name`` (a ``cluster.type``)."""
+    PROVIDERS.add(name, factory)
 
 
 def create_provider(cfg: ClusterConfig) -> ClusterProvider:
     """Instantiate the provider named by ``cfg.type``; unknown names raise ``ValueError``."""
-    _load_builtin()
-    try:
-        factory = _PROVIDERS[cfg.type]
-    except KeyError:
-        raise ValueError(f"unknown cluster provider {cfg.type!r}; known: {', '.join(sorted(_PROVIDERS))}") from None
-    return factory(cfg)
+    return PROVIDERS.create(cfg.type, cfg)
 
 
-def _load_builtin() -> None:
-    import importlib
-
-    for mod in ("local", "hosts", "kubernetes"):
-        try:
-            importlib.import_module(f"infra.cluster.{mod}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"infra.cluster.{mod}":
-                raise
-
-
-__all__ = ["ClusterProvider", "GroupHandle", "create_provider", "register_provider"]
+__all__ = ["PROVIDERS", "ClusterProvider", "GroupHandle", "create_provider", "register_provider"]

@@ -9,8 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from infra.errors import DeltaloopError
 
-class ClusterError(RuntimeError):
+
+class ClusterError(DeltaloopError):
     """Provisioning or a running group failed. ``retryable``: may a fresh attempt help?"""
 
     retryable = True

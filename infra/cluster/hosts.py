@@ -404,7 +404,3 @@ if __name__ == "__main__":
                 pass
         os._exit(rc)  # not sys.exit: the stdin watcher thread may still be blocked in read()
     sys.exit("usage: python -m infra.cluster.hosts agent   (run by the hosts provider over ssh)")
-else:
-    from infra.cluster import register_provider
-
-    register_provider("hosts", HostsProvider)

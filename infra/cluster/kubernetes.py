@@ -206,12 +206,3 @@ class KubernetesProvider:
             group.terminate()
             raise ClusterError(f"cannot create {name} in namespace {ns}: {exc}") from exc
         return group
-
-
-def _register() -> None:
-    from infra.cluster import register_provider
-
-    register_provider("kubernetes", KubernetesProvider)
-
-
-_register()

@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from infra.cluster import register_provider
 from infra.cluster.base import PopenGroup, free_port
 from infra.config import ClusterConfig
 
@@ -33,6 +32,3 @@ class LocalProvider:
         proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         return PopenGroup([proc], master_addr="127.0.0.1", logs=[log_path])
-
-
-register_provider("local", LocalProvider)

@@ -1,52 +1,47 @@
 """Rollout engines: sample completions (tokens + log-probs) from the current policy version.
 
-Select a backend with ``rollout.type`` through :func:`create_engine`. ``local`` is the torch
-KV-cached sampler (:mod:`infra.rollout.local`); other backends (e.g. ``vllm``) register themselves
-with :func:`register_engine` from their own module, imported lazily.
+Select a backend with ``rollout.type`` through :func:`create_engine`: ``local`` is the torch
+KV-cached sampler (:mod:`infra.rollout.local`), ``vllm`` the vLLM engine
+(:mod:`infra.rollout.vllm_engine`, GPU). Both are listed in :data:`ENGINES` and imported only when
+chosen; :func:`register_engine` adds another.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from infra.backends import Registry
 from infra.rollout.engine import Completion, RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
     from infra.config import RolloutConfig
 
 EngineFactory = Callable[["RolloutConfig", Any, Any], RolloutEngine]
-_ENGINES: dict[str, EngineFactory] = {}
-
-
-def register_engine(name: str, factory: EngineFactory) -> None:
-    """Register ``factory(rollout_cfg, model, tokenizer)`` under ``name`` (``rollout.type``)."""
-    _ENGINES[name] = factory
 
 
 def _local(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> RolloutEngine:
     from infra.rollout.local import LocalEngine
 
-    return LocalEngine(model, tokenizer, max_batch=getattr(cfg, "max_batch", 256))
+    return LocalEngine(model, tokenizer, max_batch=cfg.max_batch)
 
 
-register_engine("local", _local)
+def _vllm(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> RolloutEngine:
+    from infra.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(model, tokenizer, gpu_memory_utilization=float(cfg.gpu_memory_utilization))
+
+
+ENGINES: Registry[RolloutEngine] = Registry("rollout engine", {"local": _local, "vllm": _vllm})
+
+
+def register_engine(name: str, factory: EngineFactory | str) -> None:
+    """Register ``factory(rollout_cfg, model, tokenizer)`` (or a lazy ``"module:attr"``) under ``name``."""
+    ENGINES.add(name, factory)
 
 
 def create_engine(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> RolloutEngine:
     """The engine named by ``cfg.type`` serving ``model``; unknown names raise ``ValueError``."""
-    import importlib
-
-    if cfg.type not in _ENGINES:
-        try:  # a backend module registers itself on import (e.g. infra/rollout/vllm_engine.py)
-            importlib.import_module(f"infra.rollout.{cfg.type}_engine")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"infra.rollout.{cfg.type}_engine":
-                raise
-    try:
-        factory = _ENGINES[cfg.type]
-    except KeyError:
-        raise ValueError(f"unknown rollout engine {cfg.type!r}; known: {', '.join(sorted(_ENGINES))}") from None
-    return factory(cfg, model, tokenizer)
+    return ENGINES.create(cfg.type, cfg, model, tokenizer)
 
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "create_engine", "register_engine"]
+__all__ = ["ENGINES", "Completion", "RolloutEngine", "SamplingParams", "create_engine", "register_engine"]

@@ -32,6 +32,8 @@ from typing import Any, Iterator, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.errors import DeltaloopError
+
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 PLAIN_STOPS = ["\nUser:", "\nSystem:", "\nTool:"]
 DEFAULT_MAX_TOKENS = 256
@@ -165,7 +167,7 @@ class ChatResponse(BaseModel):
     weight_version: int
 
 
-class APIError(Exception):
+class APIError(DeltaloopError):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "code"}}``."""
 
     def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:

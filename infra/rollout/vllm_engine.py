@@ -1,8 +1,7 @@
 """VLLMEngine: the ``vllm`` rollout backend (GPU), vLLM's offline ``LLM`` engine behind our protocol.
 
-Selected by ``rollout.type: vllm``; importing this module registers it with
-:func:`infra.rollout.create_engine`. vLLM itself is imported only when an engine is built, so
-configs, ``--help`` and CPU-only installs never need it.
+Selected by ``rollout.type: vllm`` (listed in :data:`infra.rollout.ENGINES`). vLLM itself is
+imported only when an engine is built, so configs, ``--help`` and CPU-only installs never need it.
 
 - Start-up: the worker's Hugging Face model and tokenizer are written to a temporary folder
   (:func:`infra.model.save_hf`) and vLLM loads that (same architecture, same weights, any model
@@ -24,14 +23,10 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from infra.rollout import register_engine
 from infra.rollout.engine import Completion, SamplingParams
 from infra.rollout.local import row_seed
-
-if TYPE_CHECKING:
-    from infra.config import RolloutConfig
 
 
 class VLLMEngine:
@@ -112,10 +107,3 @@ class VLLMEngine:
         """Greedy completions' text (evaluation path)."""
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop=stop or ["\n"])
         return [c.text for c in self.generate(prompts, 1, params)]
-
-
-def _factory(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> VLLMEngine:
-    return VLLMEngine(model, tokenizer, gpu_memory_utilization=float(getattr(cfg, "gpu_memory_utilization", 0.5)))
-
-
-register_engine("vllm", _factory)

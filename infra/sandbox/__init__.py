@@ -13,52 +13,30 @@ isolated, reset and scored is described in ``runner.py`` and ``docs/sandbox.md``
 
 from __future__ import annotations
 
-from typing import Callable
-
+from infra.backends import Registry
 from infra.config import SandboxConfig
 from infra.sandbox.pool import Runtime, SandboxPool
 from infra.sandbox.types import (
     REASONS,
     ExecResult,
     SandboxError,
+    SandboxUnusable,
     TestCase,
     VerifyRequest,
     VerifyResult,
 )
 
-
-def _bwrap(cfg: SandboxConfig) -> Runtime:
-    from infra.sandbox.bwrap import BwrapRuntime
-
-    return BwrapRuntime(cfg)
-
-
-def _docker(cfg: SandboxConfig) -> Runtime:
-    from infra.sandbox.docker_rt import DockerRuntime
-
-    return DockerRuntime(cfg)
-
-
-def _local(cfg: SandboxConfig) -> Runtime:
-    from infra.sandbox.local import LocalRuntime
-
-    return LocalRuntime(cfg)
-
-
-RUNTIMES: dict[str, Callable[[SandboxConfig], Runtime]] = {
-    "bwrap": _bwrap,
-    "docker": _docker,
-    "unsafe_local": _local,
-}
+#: ``sandbox.runtime`` -> runtime class, imported only when chosen.
+RUNTIMES: Registry[Runtime] = Registry("sandbox runtime", {
+    "bwrap": "infra.sandbox.bwrap:BwrapRuntime",
+    "docker": "infra.sandbox.docker_rt:DockerRuntime",
+    "unsafe_local": "infra.sandbox.local:LocalRuntime",
+})
 
 
 def create_runtime(cfg: SandboxConfig) -> Runtime:
     """The runtime named by ``cfg.runtime``; unknown names raise ``ValueError`` listing the known ones."""
-    try:
-        factory = RUNTIMES[cfg.runtime]
-    except KeyError:
-        raise ValueError(f"unknown sandbox runtime {cfg.runtime!r}; known: {', '.join(sorted(RUNTIMES))}") from None
-    return factory(cfg)
+    return RUNTIMES.create(cfg.runtime, cfg)
 
 
 def create_pool(cfg: SandboxConfig) -> SandboxPool:
@@ -68,9 +46,11 @@ def create_pool(cfg: SandboxConfig) -> SandboxPool:
 
 __all__ = [
     "REASONS",
+    "RUNTIMES",
     "ExecResult",
     "SandboxError",
     "SandboxPool",
+    "SandboxUnusable",
     "TestCase",
     "VerifyRequest",
     "VerifyResult",

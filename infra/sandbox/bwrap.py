@@ -25,7 +25,7 @@ from typing import Any
 from infra.config import SandboxConfig
 from infra.sandbox.handle import PipeTransport, RunnerHandle
 from infra.sandbox.protocol import runner_argv
-from infra.sandbox.types import SandboxError
+from infra.sandbox.types import SandboxError, SandboxUnusable
 
 _ids = itertools.count(1)
 # MALLOC_ARENA_MAX: each glibc arena reserves 64 MiB of address space, which RLIMIT_AS counts.
@@ -49,8 +49,8 @@ def runner_opts(cfg: SandboxConfig) -> dict[str, Any]:
 def _root_args(cfg: SandboxConfig) -> list[str]:
     if cfg.rootfs:
         if not os.path.isdir(os.path.join(cfg.rootfs, "scratch")):
-            raise SandboxError(f"sandbox.rootfs {cfg.rootfs!r} has no /scratch folder (run scripts/setup_sandbox.sh)",
-                               retryable=False)
+            raise SandboxUnusable(
+                f"sandbox.rootfs {cfg.rootfs!r} has no /scratch folder (run scripts/setup_sandbox.sh)")
         return ["--ro-bind", cfg.rootfs, "/"]
     args = ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -95,10 +95,9 @@ class BwrapRuntime:
     def __init__(self, cfg: SandboxConfig) -> None:
         self.cfg = cfg
         if shutil.which(cfg.bwrap_path) is None:
-            raise SandboxError(f"bubblewrap not found ({cfg.bwrap_path!r}); run scripts/setup_sandbox.sh",
-                               retryable=False)
+            raise SandboxUnusable(f"bubblewrap not found ({cfg.bwrap_path!r}); run scripts/setup_sandbox.sh")
         if not cfg.rootfs and not os.path.exists(cfg.python):
-            raise SandboxError(f"sandbox.python {cfg.python!r} does not exist on this host", retryable=False)
+            raise SandboxUnusable(f"sandbox.python {cfg.python!r} does not exist on this host")
 
     def spawn(self) -> RunnerHandle:
         """Start one warm sandbox and wait until its runner is ready."""

@@ -28,7 +28,7 @@ from infra.config import SandboxConfig
 from infra.lifeline import pid_alive
 from infra.sandbox.handle import RunnerHandle
 from infra.sandbox.protocol import runner_argv
-from infra.sandbox.types import SandboxError
+from infra.sandbox.types import SandboxError, SandboxUnusable
 
 _ids = itertools.count(1)
 # MALLOC_ARENA_MAX: each glibc arena reserves 64 MiB of address space, which RLIMIT_AS counts.
@@ -148,7 +148,7 @@ class DockerRuntime:
         try:
             import docker
         except ImportError as exc:  # pragma: no cover - docker is a dependency
-            raise SandboxError(f"the docker SDK is not installed: {exc}", retryable=False) from exc
+            raise SandboxUnusable(f"the docker SDK is not installed: {exc}") from exc
         self.cfg = cfg
         self.pool_tag = uuid.uuid4().hex[:12]
         self.clients: list[tuple[str, Any]] = []

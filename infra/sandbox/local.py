@@ -22,7 +22,7 @@ from typing import Any
 from infra.config import SandboxConfig
 from infra.sandbox.handle import PipeTransport, RunnerHandle
 from infra.sandbox.protocol import runner_argv
-from infra.sandbox.types import SandboxError
+from infra.sandbox.types import SandboxError, SandboxUnusable
 
 _ids = itertools.count(1)
 WARNING = (
@@ -38,7 +38,7 @@ class LocalRuntime:
 
     def __init__(self, cfg: SandboxConfig) -> None:
         if not cfg.allow_unsandboxed:
-            raise SandboxError("unsafe_local needs sandbox.allow_unsandboxed: true", retryable=False)
+            raise SandboxUnusable("unsafe_local needs sandbox.allow_unsandboxed: true")
         warnings.warn(WARNING, RuntimeWarning, stacklevel=3)
         print(f"WARNING: {WARNING}", file=sys.stderr)
         self.cfg = cfg

@@ -30,7 +30,14 @@ from typing import Any, Callable, Protocol, TypeVar
 from infra.config import SandboxConfig
 from infra.sandbox import protocol
 from infra.sandbox.handle import RunnerHandle
-from infra.sandbox.types import ExecResult, SandboxDied, SandboxError, VerifyRequest, VerifyResult
+from infra.sandbox.types import (
+    ExecResult,
+    SandboxDied,
+    SandboxError,
+    SandboxUnusable,
+    VerifyRequest,
+    VerifyResult,
+)
 
 T = TypeVar("T")
 _SAMPLES = 20000
@@ -97,7 +104,7 @@ class SandboxPool:
         """Start ``min_warm`` sandboxes (in parallel) and the warmer thread. Idempotent."""
         with self._cond:
             if self._closed:
-                raise SandboxError("pool is closed", retryable=False)
+                raise SandboxUnusable("pool is closed")
             if self._started:
                 return self
             self._started = True
@@ -182,7 +189,7 @@ class SandboxPool:
             self.start()
         with self._cond:
             if self._closed:
-                raise SandboxError("pool is closed", retryable=False)
+                raise SandboxUnusable("pool is closed")
             self._inflight += 1
             self._last_activity = time.monotonic()
         self._wake.set()
@@ -246,7 +253,7 @@ class SandboxPool:
             try:
                 while True:
                     if self._closed:
-                        raise SandboxError("pool is closed", retryable=False)
+                        raise SandboxUnusable("pool is closed")
                     if self._idle:
                         handle, since = self._idle.popleft()
                         self._add_idle_time(time.monotonic() - since)
@@ -273,7 +280,7 @@ class SandboxPool:
                 if self._closed:
                     self._live -= 1
                     handle.close()
-                    raise SandboxError("pool is closed", retryable=False)
+                    raise SandboxUnusable("pool is closed")
                 self._handles.add(handle)
             return handle
         with self._cond:

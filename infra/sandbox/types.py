@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from infra.errors import DeltaloopError
+
 #: Why a job ended. ``wrong`` and ``syntax`` only appear in :class:`VerifyResult`.
 REASONS: tuple[str, ...] = ("ok", "timeout", "memory", "output_limit", "killed", "error", "wrong", "syntax")
 
@@ -72,16 +74,21 @@ class ExecResult:
         return d
 
 
-class SandboxError(RuntimeError):
+class SandboxError(DeltaloopError):
     """The sandbox infrastructure failed (not a job): no sandbox could be started.
 
-    ``retryable`` says whether trying again later can help (daemon restarting, transient load).
+    Retryable: a daemon restarting or a transient load may be gone on the next attempt.
     """
 
-    def __init__(self, message: str, retryable: bool = True) -> None:
-        super().__init__(message)
-        self.retryable = retryable
+    retryable = True
 
 
-class SandboxDied(Exception):
+class SandboxUnusable(SandboxError):
+    """The sandbox cannot work in this setting (runtime or interpreter missing, an unsafe runtime not
+    allowed, the pool already closed): the same attempt would fail the same way."""
+
+    retryable = False
+
+
+class SandboxDied(DeltaloopError):
     """A sandbox's runner stopped answering or exited (internal: turned into a scored failure)."""

@@ -110,7 +110,7 @@ def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
                 replay.pop(0)
             return _train_call(ctx, cluster, step)
         except ServiceDied as exc:
-            if not getattr(exc, "retryable", True):
+            if not exc.retryable:
                 raise
             restored = restart_trainer(ctx, cluster, str(exc))
             replay = list(range(int(restored["step"]) + 1, step))

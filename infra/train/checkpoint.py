@@ -26,13 +26,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infra.errors import DeltaloopError
 from infra.storage import ObjectNotFound, ObjectStore, get_json, put_json, run_key
 
 if TYPE_CHECKING:
     from infra.train.engines import TrainEngine
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DeltaloopError):
     """A checkpoint is missing, incomplete or does not fit this trainer (not retryable)."""
 
     retryable = False

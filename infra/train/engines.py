@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from infra.backends import Registry
 from infra.train.optim import make_optimizer
 
 if TYPE_CHECKING:
@@ -114,25 +115,14 @@ class TorchEngine:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-def _fsdp(model: "torch.nn.Module", tcfg: "TrainerConfig", world: int, rank: int) -> TrainEngine:
-    from infra.train.fsdp import FSDPEngine
-
-    return FSDPEngine(model, tcfg, world, rank)
-
-
-def _deepspeed(model: "torch.nn.Module", tcfg: "TrainerConfig", world: int, rank: int) -> TrainEngine:
-    from infra.train.ds import DeepSpeedEngine
-
-    return DeepSpeedEngine(model, tcfg, world, rank)
-
-
-ENGINES: dict[str, Callable[..., TrainEngine]] = {"torch": TorchEngine, "fsdp": _fsdp, "deepspeed": _deepspeed}
+#: ``trainer.engine`` -> engine class; FSDP and DeepSpeed are imported only when chosen.
+ENGINES: Registry[TrainEngine] = Registry("trainer engine", {
+    "torch": TorchEngine,
+    "fsdp": "infra.train.fsdp:FSDPEngine",
+    "deepspeed": "infra.train.ds:DeepSpeedEngine",
+})
 
 
 def create_engine(model: "torch.nn.Module", tcfg: "TrainerConfig", world: int, rank: int) -> TrainEngine:
     """Wrap ``model`` in the engine named by ``tcfg.engine``; unknown names raise ``ValueError``."""
-    try:
-        factory = ENGINES[tcfg.engine]
-    except KeyError:
-        raise ValueError(f"unknown trainer engine {tcfg.engine!r}; known: {', '.join(sorted(ENGINES))}") from None
-    return factory(model, tcfg, world, rank)
+    return ENGINES.create(tcfg.engine, model, tcfg, world, rank)

@@ -12,9 +12,6 @@ The weights after step s are published as the next version only if that version 
 yet (a replay after a restart re-derives bit-identical weights and reuses the published version).
 Every ``trainer.checkpoint_every`` steps the full state goes to the object store
 (:mod:`infra.train.checkpoint`); ``restore`` loads the newest committed one.
-
-Fault injection for tests: ``DELTALOOP_TRAINER_FAULT="step=S,rank=R"`` makes rank R SIGKILL itself
-in the middle of step S (after its first backward), once per run (a marker in the store).
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import time
 import traceback
 from pathlib import Path
@@ -32,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 from infra.config import RunConfig
+from infra.errors import DeltaloopError, is_retryable
 from infra.lifeline import exit_with_parent
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
 
 
-class StepOrderError(RuntimeError):
+class StepOrderError(DeltaloopError):
     """``train_step`` was asked for a step beyond the next one (earlier steps must be replayed first)."""
 
     retryable = False
@@ -226,19 +223,6 @@ class Trainer:
         return {"step": self.step, "weights_version": self.weights_version}
 
     # ------------------------------------------------------------------------------ train step
-    def _maybe_fault(self, step: int) -> None:
-        spec = os.environ.get("DELTALOOP_TRAINER_FAULT")
-        if not spec:
-            return
-        kv = dict(item.split("=", 1) for item in spec.split(","))
-        if int(kv.get("step", -1)) != step or int(kv.get("rank", 0)) != self.rank:
-            return
-        marker = run_key(self.run_id, None, "faults", f"trainer-step-{step}-rank-{self.rank}.json")
-        if self.store.exists(marker):
-            return
-        put_json(self.store, marker, {"killed": time.time()})
-        os.kill(os.getpid(), signal.SIGKILL)
-
     def op_train_step(self, step: int, rollouts_key: str, scores_key: str) -> dict[str, Any]:
         """One GRPO update from a scored rollout batch, publish the new version, checkpoint every K."""
         from infra.train.grpo import group_advantages
@@ -320,7 +304,6 @@ class Trainer:
                         temperature=self.cfg.rollout.temperature,
                     )
                 self.engine.backward(loss)
-                self._maybe_fault(step)
                 for k, v in m.items():
                     metrics_acc[k] = metrics_acc.get(k, 0.0) + float(v) * (1.0 if k in ("loss", "tokens") else m["tokens"])
             norm = self.engine.step()
@@ -429,7 +412,7 @@ def main() -> None:
                 traceback.print_exc()
                 os._exit(17)
             reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
-                     "retryable": bool(getattr(exc, "retryable", False))}
+                     "retryable": is_retryable(exc)}
         if conn is not None:
             conn.send(reply)
     if listener is not None:

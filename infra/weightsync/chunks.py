@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from infra.errors import DeltaloopError
 from infra.weightsync import kernels
 from infra.weightsync.codec import (
     DENSE_FRACTION,
@@ -95,7 +96,7 @@ def _encode_native(old: np.ndarray, new: np.ndarray, codec: CodecName, level: in
     return sparse_frame(planes, positions, new.dtype.itemsize, len(new), changed, level), h, changed
 
 
-class ChecksumMismatch(ValueError):
+class ChecksumMismatch(DeltaloopError, ValueError):
     """The decoded chunk does not hash to the digest its manifest recorded."""
 
 

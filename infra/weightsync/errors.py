@@ -8,8 +8,10 @@ bytes does not).
 
 from __future__ import annotations
 
+from infra.errors import DeltaloopError
 
-class WeightSyncError(RuntimeError):
+
+class WeightSyncError(DeltaloopError):
     """Base class of every weight-sync failure."""
 
     retryable = False

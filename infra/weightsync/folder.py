@@ -16,13 +16,15 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infra.errors import DeltaloopError
+
 if TYPE_CHECKING:
     import torch
 
 MARKER = ".deltaloop-sync.json"
 
 
-class FolderError(ValueError):
+class FolderError(DeltaloopError, ValueError):
     """A model folder that cannot be published as it is (unreadable safetensors, clashing names)."""
 
 

@@ -20,8 +20,8 @@ import pytest
 from infra.cluster import create_provider
 from infra.cluster.health import HealthCheckFailed, check_health, provision
 from infra.cluster.hosts import REPO_ROOT, HostsGroup
-from infra.cluster.netns import NetnsCluster
 from infra.config import ClusterConfig
+from tests.integration.netns import NetnsCluster
 
 pytestmark = pytest.mark.slow
 JOB = "tests.integration.test_cluster_job"

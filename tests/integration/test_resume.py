@@ -5,8 +5,9 @@ uninterrupted run of the same config.
 
 Every run is the real CLI in a subprocess (Prefect's own server, torchrun ranks, rollout worker,
 bubblewrap sandboxes, file object store). The rank kill is a real SIGKILL that the rank sends itself
-in the middle of step 4 (after its first backward) through ``DELTALOOP_TRAINER_FAULT``; the flow kill
-is a SIGKILL of the CLI's whole process group once step 3 has trained.
+in the middle of step 4 (after its first backward), armed by the test-only ``faults/sitecustomize.py``
+(``DELTALOOP_TRAINER_FAULT``, see there); the flow kill is a SIGKILL of the CLI's whole process group
+once step 3 has trained.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+FAULTS = Path(__file__).resolve().parent / "faults"  # sitecustomize.py that arms DELTALOOP_TRAINER_FAULT
 # big enough that rewards differ within groups (non-zero advantages, real updates), small enough to be quick
 RESUME_TINY = [
     "trainer.steps=4", "trainer.prompts_per_step=8", "trainer.group_size=4", "trainer.checkpoint_every=2",
@@ -40,6 +42,12 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "DELTALOOP_TRAINER_FAULT"}
     env.setdefault("DELTALOOP_STATE", str(REPO / ".state"))
     return {**env, **extra}
+
+
+def _with_fault(spec: str) -> dict[str, str]:
+    """Environment additions that make every process load the fault plugin, armed with ``spec``."""
+    path = os.pathsep.join(p for p in (str(FAULTS), os.environ.get("PYTHONPATH", "")) if p)
+    return {"DELTALOOP_TRAINER_FAULT": spec, "PYTHONPATH": path}
 
 
 def _run(root: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
@@ -118,7 +126,7 @@ def test_killed_rank_mid_step_restarts_and_is_bit_identical(reference: dict, tmp
     import torch
 
     root = tmp_path / "runs"
-    proc = _run(root, DELTALOOP_TRAINER_FAULT="step=4,rank=1")
+    proc = _run(root, **_with_fault("step=4,rank=1"))
     assert "trainer group died" in proc.stderr and "replaying steps 3..3" in proc.stderr, proc.stderr[-3000:]
     assert (root / "store" / "runs" / _run_id(root) / "faults").is_dir()  # the SIGKILL really happened
     got = final_state(root)
@@ -145,7 +153,8 @@ def _wait_no_services(root: Path, timeout: float = 30) -> None:
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
                 try:
-                    if str(root).encode() in (d / "cmdline").read_bytes():
+                    # the run root is in a service's command line or its spec (DELTALOOP_SPEC)
+                    if str(root).encode() in (d / "cmdline").read_bytes() + (d / "environ").read_bytes():
                         alive.append(d.name)
                 except OSError:
                     pass

@@ -10,9 +10,10 @@ import pytest
 
 def test_module_imports_and_registers_without_vllm() -> None:
     import infra.rollout as rollout
-    import infra.rollout.vllm_engine  # noqa: F401  (must not import vllm itself)
+    from infra.rollout.vllm_engine import VLLMEngine  # (must not import vllm itself)
 
-    assert "vllm" in rollout._ENGINES
+    assert "vllm" in rollout.ENGINES and rollout.ENGINES.get("vllm") is rollout._vllm
+    assert VLLMEngine.__module__ == "infra.rollout.vllm_engine"
     if importlib.util.find_spec("vllm") is None:
         assert "vllm" not in sys.modules
 

@@ -1,4 +1,4 @@
-"""Test/dev helper: fake "hosts" made of Linux network namespaces on this machine, each running sshd.
+"""Test helper: fake "hosts" made of Linux network namespaces on this machine, each running sshd.
 
 Layout (root needed; ``ip`` from iproute2, ``sshd`` from openssh-server, ``unshare`` from util-linux)::
 
@@ -6,7 +6,7 @@ Layout (root needed; ``ip`` from iproute2, ``sshd`` from openssh-server, ``unsha
 
 The test subnet exists only inside these namespaces; the root namespace gets no address and no
 route to it. ssh from here reaches a host through ``ProxyCommand`` = this module's ``relay``
-subcommand run inside the host's namespace (``ip netns exec NS python -m infra.cluster.netns relay
+subcommand run inside the host's namespace (``ip netns exec NS python -m tests.integration.netns relay
 %h %p``), which pipes stdio to ADDR:22 there.
 
 Each sshd runs in its own UTS and mount namespace too, so a host has its own hostname (what health
@@ -15,8 +15,8 @@ tiny tmpfs over a folder (a host whose disk check fails). Key auth only, with ke
 temporary folder. :meth:`NetnsCluster.down` kills the sshds and every process left in the
 namespaces (all started by us), then deletes the namespaces.
 
-CLI: ``python -m infra.cluster.netns up --dir D [--hosts 2]`` prints a ``cluster:`` YAML snippet;
-``python -m infra.cluster.netns down --dir D``. See ``scripts/setup_netns_hosts.sh``.
+CLI: ``python -m tests.integration.netns up --dir D [--hosts 2]`` prints a ``cluster:`` YAML snippet;
+``python -m tests.integration.netns down --dir D``. See ``scripts/setup_netns_hosts.sh``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class NetnsHost:
     def proxy_command(self) -> str:
         """ssh ProxyCommand reaching this host's sshd from the root namespace."""
         return (f"ip netns exec {self.netns} env PYTHONPATH={shlex.quote(REPO_ROOT)} "
-                f"{shlex.quote(sys.executable)} -m infra.cluster.netns relay %h %p")
+                f"{shlex.quote(sys.executable)} -m tests.integration.netns relay %h %p")
 
 
 @dataclass
