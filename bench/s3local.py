@@ -1,47 +1,41 @@
-"""A local S3-protocol server (moto) on a loopback port, for benchmarks."""
+"""A local S3-protocol server (moto) on a loopback port, for benchmarks.
+
+The server binds port 0 itself and prints the address it got (werkzeug's ``Running on`` line);
+that line in its log is the readiness probe, so no port is chosen here and bound there.
+"""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
+import re
+import tempfile
 from contextlib import contextmanager
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
+
+from infra.proc import LOOPBACK, ServiceSpec, spawn, tail
+
+_RUNNING = re.compile(r"Running on http://[^:\s]+:(\d+)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _port_probe(log: str) -> Callable[[], int | None]:
+    def probe() -> int | None:
+        found = _RUNNING.search(tail(log, lines=50))
+        return int(found.group(1)) if found else None
+
+    return probe
 
 
 @contextmanager
-def moto_server() -> Iterator[tuple[str, int]]:
+def moto_server(timeout_s: float = 60.0) -> Iterator[tuple[str, int]]:
     """Start ``python -m moto.server`` on a free loopback port; yields (host, port); stops it after."""
-    port = free_port()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "test")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "test")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto server did not start") from None
-                time.sleep(0.1)
-        yield "127.0.0.1", port
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="moto-") as tmp:
+        log = str(Path(tmp) / "moto.log")
+        server = spawn(ServiceSpec.python("moto server", "moto.server", ["-H", LOOPBACK, "-p", "0"], log=log))
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            port = server.wait_ready(_port_probe(log), timeout_s)
+            yield LOOPBACK, port
+        finally:
+            server.terminate()

@@ -1,6 +1,7 @@
 """Service processes die with the flow that started them.
 
-Every long-lived service (trainer ranks, rollout worker) gets ``DELTALOOP_PARENT_PID`` and calls
+Every long-lived service (trainer ranks, rollout worker) gets ``DELTALOOP_PARENT_PID`` (set by
+:class:`infra.proc.ServiceSpec`, or by the launcher in a provider's env) and calls
 :func:`exit_with_parent`: a daemon thread polls that pid and exits the process as soon as it is gone,
 so a flow killed with SIGKILL (no chance to run its teardown) leaves no orphans behind.
 """

@@ -4,7 +4,9 @@ The trainer's rank 0 serves commands (``{"op": ..., ...}`` dicts) over a
 ``multiprocessing.connection`` socket authenticated with a random key (HMAC challenge, so a
 stranger on the network cannot drive the trainer). The listening address is *published to the
 object store* under the run, which makes discovery identical for a local process group and ranks on
-other hosts (they share the store, not a filesystem).
+other hosts (they share the store, not a filesystem). The rollout worker reports its HTTP port the
+same way (:func:`publish_address`, :func:`address_probe`): every service binds its own port and
+says which one it got.
 
 Replies are dicts; a reply with ``"error"`` re-raises on the client as :class:`RemoteError`.
 """
@@ -17,6 +19,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
 from infra.errors import DeltaloopError
+from infra.proc import ServiceDied, wait_until
 from infra.storage import ObjectNotFound, ObjectStore, get_json, put_json
 
 
@@ -29,12 +32,6 @@ class RemoteError(DeltaloopError):
         self.retryable = retryable
 
 
-class ServiceDied(DeltaloopError):
-    """The service process exited or the connection broke. A restart may help."""
-
-    retryable = True
-
-
 def host_address() -> str:
     """Address other hosts can use to reach this one (loopback when alone)."""
     try:
@@ -43,12 +40,30 @@ def host_address() -> str:
         return "127.0.0.1"
 
 
+def publish_address(store: ObjectStore, key: str, host: str, port: int) -> None:
+    """Report where a service listens: ``{"host", "port", "ts"}`` at ``key`` in the store."""
+    put_json(store, key, {"host": host, "port": int(port), "ts": time.time()})
+
+
+def address_probe(store: ObjectStore, key: str, not_before: float = 0.0) -> Callable[[], dict | None]:
+    """A readiness probe (:func:`infra.proc.wait_until`) returning the address published at ``key``
+    once one newer than ``not_before`` is there."""
+
+    def probe() -> dict | None:
+        try:
+            addr = get_json(store, key)
+        except ObjectNotFound:
+            return None
+        return addr if addr.get("ts", 0) >= not_before else None
+
+    return probe
+
+
 def serve_listener(store: ObjectStore, key: str, authkey: bytes, bind: str = "0.0.0.0") -> Listener:
-    """Open a listener on a free port and publish ``{"host", "port"}`` at ``key`` in the store."""
+    """Open a listener on a free port (bound here: no race) and publish its address at ``key``."""
     listener = Listener((bind, 0), authkey=authkey)
-    port = listener.address[1]
     host = "127.0.0.1" if bind in ("127.0.0.1", "localhost") else host_address()
-    put_json(store, key, {"host": host, "port": port, "ts": time.time()})
+    publish_address(store, key, host, listener.address[1])
     return listener
 
 
@@ -73,22 +88,24 @@ class RpcClient:
         ``alive()`` returns None while the service is starting, or a description of why it died;
         then :class:`ServiceDied` is raised at once instead of waiting out the timeout.
         """
-        deadline = time.monotonic() + timeout_s
-        last_err: Exception | None = None
-        while time.monotonic() < deadline:
-            dead = alive()
-            if dead:
-                raise ServiceDied(dead)
+        last_err: list[Exception] = []
+
+        def probe() -> "RpcClient | None":
+            addr = address_probe(store, key, not_before)()
+            if addr is None:
+                return None
             try:
-                addr = get_json(store, key)
-                if addr.get("ts", 0) >= not_before:
-                    return cls(Client((addr["host"], int(addr["port"])), authkey=authkey))
-            except ObjectNotFound:
-                pass
+                return cls(Client((addr["host"], int(addr["port"])), authkey=authkey))
             except (OSError, EOFError) as exc:
-                last_err = exc
-            time.sleep(0.2)
-        raise ServiceDied(f"service did not come up within {timeout_s:.0f}s ({last_err or 'no address published'})")
+                last_err[:] = [exc]
+                return None
+
+        try:
+            return wait_until(probe, timeout_s, alive, "service")
+        except ServiceDied as exc:
+            if alive():
+                raise
+            raise ServiceDied(f"{exc} ({last_err[0] if last_err else 'no address published'})") from None
 
     def call(self, op: str, alive: Callable[[], str | None], timeout_s: float = 3600.0, **kwargs: Any) -> dict:
         """Send one command and wait for its reply, watching that the service stays alive."""

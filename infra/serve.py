@@ -12,7 +12,12 @@ Starts, on loopback by default, each as a child process in its own process group
 
 It then prints the URLs and waits. Ctrl-C (SIGINT) or SIGTERM stops every child — worker first,
 so running flow runs are cancelled while the servers are still up — by process group, then kills
-any descendant that escaped its group. Prefect is driven only through its CLI (no import here).
+any descendant that escaped its group (:func:`infra.proc.stop_processes`). Prefect is driven only
+through its CLI (no import here).
+
+Ports: the Prefect and MLflow servers cannot report a port they bound themselves, so a port of 0
+is chosen here (:func:`infra.proc.free_port`); if another process takes it before the server binds
+it, the server is started again on a fresh port (twice at most).
 """
 
 from __future__ import annotations
@@ -20,18 +25,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from infra.errors import DeltaloopError
-from infra.lifeline import pid_alive
+from infra.proc import (ServiceDied, ServiceProcess, ServiceSpec, bind_socket, describe_exit, free_port,
+                        http_probe, port_in_use, spawn, wait_until)
 
 POOL = "deltaloop-process"
 MLFLOW_UI_ENV = "DELTALOOP_MLFLOW_UI_URL"
@@ -62,21 +65,14 @@ class ServeOptions:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _port(host: str, port: int, what: str) -> int:
+    """``port``, checked to be free now; 0 picks a free one."""
     if port == 0:
         return free_port(host)
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            raise ServeError(f"{what} port {host}:{port} is in use (choose another, or 0 for any free port)") from None
+    try:
+        bind_socket(host, port).close()
+    except OSError:
+        raise ServeError(f"{what} port {host}:{port} is in use (choose another, or 0 for any free port)") from None
     return port
 
 
@@ -86,42 +82,13 @@ def _bin(name: str) -> str:
     return str(local) if local.exists() else name
 
 
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out: list[int] = []
-    todo = list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    if not pid_alive(pid):
-        return False
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 class Stack:
     """The running processes of ``deltaloop serve``; a context manager that always stops them."""
 
     def __init__(self, opts: ServeOptions, say: Callable[[str], None] = print) -> None:
         self.opts = opts
         self.say = say
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, ServiceProcess] = {}
         self.urls: dict[str, str] = {}
         state = opts.state_dir or Path(os.environ.get("DELTALOOP_STATE", ".state")) / "serve"
         self.state_dir = Path(state).resolve()
@@ -137,30 +104,14 @@ class Stack:
         o = self.opts
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True)
-        pport = _port(o.host, o.prefect_port, "Prefect")
-        mport = _port(o.host, o.mlflow_port, "MLflow")
-        api = f"http://{o.host}:{pport}/api"
-        self.urls = {"prefect_ui": f"http://{o.host}:{pport}", "prefect_api": api,
-                     "mlflow_ui": f"http://{o.host}:{mport}"}
-        self.env = {**os.environ, **o.extra_env, "PREFECT_API_URL": api, MLFLOW_UI_ENV: self.urls["mlflow_ui"],
-                    "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                    "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), o.host, "localhost"]))}
-        # MLflow's background job runner (GenAI jobs; three huey consumers) is not used here
-        self.env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-        if o.api_auth_string:
-            self.env["PREFECT_SERVER_API_AUTH_STRING"] = o.api_auth_string
-            self.env["PREFECT_API_AUTH_STRING"] = o.api_auth_string
-        if o.prefect_db:
-            self.env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = o.prefect_db
+        ports = {"prefect-server": _port(o.host, o.prefect_port, "Prefect"),
+                 "mlflow-server": _port(o.host, o.mlflow_port, "MLflow")}
+        self._set_env(ports)
         try:
-            self._spawn("prefect-server", [_bin("prefect"), "server", "start", "--host", o.host, "--port", str(pport)])
-            backend = o.mlflow_backend or f"sqlite:///{self.run_root / 'mlflow.db'}"
-            artifacts = o.mlflow_artifacts or str(self.run_root / "mlartifacts")
-            self._spawn("mlflow-server", [_bin("mlflow"), "server", "--host", o.host, "--port", str(mport),
-                                          "--backend-store-uri", backend, "--default-artifact-root", artifacts,
-                                          "--artifacts-destination", artifacts, "--workers", "1"])
-            self._wait_http("prefect-server", f"{api}/health", 180)
-            self._wait_http("mlflow-server", f"{self.urls['mlflow_ui']}/health", 180)
+            for name, port in ports.items():
+                self._spawn(name, self._server_cmd(name, port))
+            for name, wanted in (("prefect-server", o.prefect_port), ("mlflow-server", o.mlflow_port)):
+                self._wait_server(name, ports, auto_port=wanted == 0)
             self._cli("work pool", [_bin("prefect"), "work-pool", "create", o.pool, "--type", "process", "--overwrite"])
             if o.deploy:
                 self._cli("deploy", [_bin("prefect"), "--no-prompt", "deploy", "--all"], timeout=300)
@@ -173,35 +124,61 @@ class Stack:
             raise
         return self.urls
 
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, cwd=self.project_dir, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        with self._lock:
-            self.procs[name] = proc
+    def _set_env(self, ports: dict[str, int]) -> None:
+        """URLs and the environment of every child, for the servers' ``ports``."""
+        o = self.opts
+        api = f"http://{o.host}:{ports['prefect-server']}/api"
+        self.urls = {"prefect_ui": f"http://{o.host}:{ports['prefect-server']}", "prefect_api": api,
+                     "mlflow_ui": f"http://{o.host}:{ports['mlflow-server']}"}
+        self.env = {**os.environ, **o.extra_env, "PREFECT_API_URL": api, MLFLOW_UI_ENV: self.urls["mlflow_ui"],
+                    "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                    "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), o.host, "localhost"]))}
+        # MLflow's background job runner (GenAI jobs; three huey consumers) is not used here
+        self.env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+        if o.api_auth_string:
+            self.env["PREFECT_SERVER_API_AUTH_STRING"] = o.api_auth_string
+            self.env["PREFECT_API_AUTH_STRING"] = o.api_auth_string
+        if o.prefect_db:
+            self.env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = o.prefect_db
 
-    def _tail(self, name: str, n: int = 30) -> str:
-        p = self.log_dir / f"{name}.log"
-        lines = p.read_text(errors="replace").splitlines()[-n:] if p.exists() else []
-        return "\n".join(lines)
+    def _server_cmd(self, name: str, port: int) -> list[str]:
+        o = self.opts
+        if name == "prefect-server":
+            return [_bin("prefect"), "server", "start", "--host", o.host, "--port", str(port)]
+        backend = o.mlflow_backend or f"sqlite:///{self.run_root / 'mlflow.db'}"
+        artifacts = o.mlflow_artifacts or str(self.run_root / "mlartifacts")
+        return [_bin("mlflow"), "server", "--host", o.host, "--port", str(port), "--backend-store-uri", backend,
+                "--default-artifact-root", artifacts, "--artifacts-destination", artifacts, "--workers", "1"]
+
+    def _wait_server(self, name: str, ports: dict[str, int], auto_port: bool, attempts: int = 3) -> None:
+        """Wait for a server's health URL; an auto-chosen port taken meanwhile gets a fresh one."""
+        for attempt in range(attempts):
+            url = self.urls["prefect_api"] if name == "prefect-server" else self.urls["mlflow_ui"]
+            try:
+                self._wait_http(name, f"{url}/health", 180)
+                return
+            except ServeError as exc:
+                if not auto_port or attempt == attempts - 1 or not port_in_use(str(exc)):
+                    raise
+            ports[name] = free_port(self.opts.host)
+            self._set_env(ports)
+            self._spawn(name, self._server_cmd(name, ports[name]))
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        # no lifeline: DELTALOOP_PARENT_PID would reach flow runs and tie their services to this process
+        spec = ServiceSpec(name=name, argv=cmd, env=self.env, cwd=str(self.project_dir),
+                           log=str(self.log_dir / f"{name}.log"), inherit_env=False, lifeline=False)
+        with self._lock:
+            self.procs[name] = spawn(spec)
 
     def _wait_http(self, name: str, url: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        req = urllib.request.Request(url, headers=self._auth_header())
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via a proxy
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
+        proc = self.procs[name]
+        try:
+            wait_until(http_probe(url, self._auth_header()), timeout, proc.dead_reason, name, interval=0.5)
+        except ServiceDied as exc:
             if proc.poll() is not None:
-                raise ServeError(f"{name} exited with code {proc.returncode}:\n{self._tail(name)}")
-            try:
-                with opener.open(req, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise ServeError(f"{name} did not answer {url} within {timeout:.0f}s:\n{self._tail(name)}")
+                raise ServeError(str(exc)) from None
+            raise ServeError(f"{name} did not answer {url} within {timeout:.0f}s:\n{proc.tail()}") from None
 
     def _auth_header(self) -> dict[str, str]:
         import base64
@@ -224,10 +201,11 @@ class Stack:
 
     # ------------------------------------------------------------------------------ run / stop
     def dead(self) -> str | None:
-        """Name and exit code of a child that stopped on its own, if any."""
+        """Name and exit status of a child that stopped on its own, if any."""
         for name, p in list(self.procs.items()):
-            if p.poll() is not None:
-                return f"{name} exited with code {p.returncode}"
+            code = p.poll()
+            if code is not None:
+                return f"{name} stopped: {describe_exit(code)}"
         return None
 
     def wait(self, stop: threading.Event, poll: float = 1.0) -> str:
@@ -235,7 +213,7 @@ class Stack:
         while not stop.wait(poll):
             why = self.dead()
             if why:
-                return why + ":\n" + self._tail(why.split()[0])
+                return why + ":\n" + self.procs[why.split()[0]].tail()
         return "stop requested"
 
     def stop(self, grace: float = 20.0) -> list[int]:
@@ -243,29 +221,8 @@ class Stack:
         killed: list[int] = []
         with self._lock:
             items = list(self.procs.items())[::-1]
-        for name, proc in items:
-            tree = descendants(proc.pid)
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if sig == signal.SIGKILL:
-                    killed += [p for p in [proc.pid, *tree] if _alive(p)]
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
-                for pid in tree:  # descendants that left the group (flow runs, their services)
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
-                deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5)
-                while time.monotonic() < deadline and any(_alive(p) for p in [proc.pid, *tree]):
-                    try:
-                        proc.wait(timeout=0.2)
-                    except subprocess.TimeoutExpired:
-                        pass
-                if not any(_alive(p) for p in [proc.pid, *tree]):
-                    break
-            proc.poll()
+        for _name, proc in items:
+            killed += proc.terminate(timeout=grace)
         with self._lock:
             self.procs.clear()
         state = self.state_dir / "serve.json"

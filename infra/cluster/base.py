@@ -1,15 +1,19 @@
-"""The provider protocol and the process-group handle shared by every provider."""
+"""The provider protocol and the handles shared by every provider.
+
+A provider starts two kinds of things: the trainer's group of ranks under torchrun
+(:meth:`ClusterProvider.launch` -> :class:`GroupHandle`) and a single service process such as the
+rollout worker (:meth:`ClusterProvider.launch_service` -> :class:`ServiceHandle`, from an
+:class:`infra.proc.ServiceSpec`). Both are placed by the provider, so both can run on another host.
+"""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from infra.errors import DeltaloopError
+from infra.proc import ServiceSpec, stop_processes
 
 
 class ClusterError(DeltaloopError):
@@ -33,13 +37,33 @@ class GroupHandle(Protocol):
         """Human description (hosts, pids) for errors and logs."""
 
 
+class ServiceHandle(Protocol):
+    """One launched service process (:meth:`ClusterProvider.launch_service`)."""
+
+    host: str  # address the flow reaches the service at (the host the provider placed it on)
+    logs: list[str]  # log files on this host
+
+    def poll(self) -> int | None:
+        """None while it runs; else its exit code."""
+
+    def terminate(self, timeout: float = 10.0) -> object:
+        """Stop it and its children (SIGTERM, then SIGKILL). Idempotent."""
+
+    def describe(self) -> str:
+        """Human description (host, pid, state, log) for errors and logs."""
+
+
 class ClusterProvider(Protocol):
-    """Launches ``python -m MODULE ARGS`` on ``world_size`` ranks under torchrun."""
+    """Launches ``python -m MODULE ARGS`` on ``world_size`` ranks under torchrun, and single services."""
 
     world_size: int
 
     def launch(self, module: str, args: list[str], env: dict[str, str], log_dir: str) -> GroupHandle:
         """Start the ranks; logs go to ``log_dir``. Returns immediately."""
+
+    def launch_service(self, spec: ServiceSpec) -> ServiceHandle:
+        """Start one process from ``spec`` on a host of the provider's choosing; its output goes to
+        ``spec.log`` on this host. Returns immediately; ``handle.host`` says where it runs."""
 
 
 def group_exit_code(codes: list[int | None]) -> int | None:
@@ -63,33 +87,8 @@ class PopenGroup:
         return group_exit_code([p.poll() for p in self.procs])
 
     def terminate(self, timeout: float = 10.0) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in self.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-                time.sleep(0.05)
-            if all(p.poll() is not None for p in self.procs):
-                break
-        # reap stray members of the process groups (ranks spawned by torchrun)
-        for p in self.procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """Stop every member's process tree (torchrun and its ranks)."""
+        stop_processes(self.procs, grace=timeout)
 
     def describe(self) -> str:
         return ", ".join(f"pid {p.pid}" for p in self.procs) + (f" (logs: {', '.join(self.logs)})" if self.logs else "")
-
-
-def free_port() -> int:
-    """An unused TCP port on loopback."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

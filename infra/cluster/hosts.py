@@ -23,6 +23,10 @@ Rendezvous: ``c10d`` (default) runs torchrun's dynamic rendezvous with its store
 address, so global rank 0 lands on the host whose ``addr`` sorts first as a string; that host is
 ``handle.master_addr``. ``static`` gives node rank i to the i-th host and rank 0 to the first host.
 
+A single service (the rollout worker, :meth:`HostsProvider.launch_service`) runs the same way through
+an agent on the first used host; ``handle.host`` is that host's address. The service binds its own
+port there and reports it (through the object store), so the flow reaches it across hosts.
+
 Hosts are taken in order until their slots equal ``cluster.ranks``; the remaining hosts are spares.
 :meth:`HostsProvider.replace` swaps a failing host for a spare (used after a failed health check).
 
@@ -46,6 +50,8 @@ from pathlib import Path
 
 from infra.cluster.base import ClusterError, group_exit_code
 from infra.config import ClusterConfig, HostSpec, select_hosts
+from infra.proc import (ServiceDied, ServiceSpec, descendants, free_port, port_in_use, spawn, stop_processes,
+                        wait_until)
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -145,6 +151,11 @@ class HostsGroup:
     logs: list[str] = field(default_factory=list)
     tunnels: list[subprocess.Popen] = field(default_factory=list)
 
+    @property
+    def host(self) -> str:
+        """Address of the rank-0 host (for a single service: the host it runs on)."""
+        return self.master_addr
+
     def poll(self) -> int | None:
         return group_exit_code([n.proc.poll() for n in self.nodes])
 
@@ -156,24 +167,32 @@ class HostsGroup:
         """
         import socket
 
-        from infra.cluster.base import free_port
-
         node = next((n for n in self.nodes if n.host.node_addr == self.master_addr), self.nodes[0])
-        local = free_port()
-        argv = ssh_argv(self.cfg, node.host, "")[:-2]  # no remote command
-        argv[1:1] = ["-N", "-o", "ExitOnForwardFailure=yes", "-L", f"127.0.0.1:{local}:{addr}:{port}"]
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        self.tunnels.append(proc)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
+        err = ""
+        for _ in range(2):  # ssh -L cannot report a port it chose: pick one, retry if it was taken
+            local = free_port()
+            argv = ssh_argv(self.cfg, node.host, "")[:-2]  # no remote command
+            argv[1:1] = ["-N", "-o", "ExitOnForwardFailure=yes", "-L", f"127.0.0.1:{local}:{addr}:{port}"]
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+            self.tunnels.append(proc)
+
+            def probe() -> bool:
+                try:
+                    socket.create_connection(("127.0.0.1", local), timeout=1).close()
+                    return True
+                except OSError:
+                    return False
+
+            dead = lambda: None if proc.poll() is None else "ssh exited"  # noqa: E731
             try:
-                socket.create_connection(("127.0.0.1", local), timeout=1).close()
+                wait_until(probe, timeout, dead, "ssh tunnel", interval=0.1)
                 return "127.0.0.1", local
-            except OSError:
-                time.sleep(0.1)
-        err = proc.stderr.read().decode(errors="replace") if proc.poll() is not None and proc.stderr else ""
-        proc.kill()
+            except ServiceDied:
+                err = proc.stderr.read().decode(errors="replace") if proc.poll() is not None and proc.stderr else ""
+                proc.kill()
+                if not port_in_use(err):
+                    break
         raise ClusterError(f"cannot open ssh tunnel to {addr}:{port} via {node.host.host}: {err.strip()}")
 
     def failed_hosts(self) -> list[str]:
@@ -253,72 +272,58 @@ class HostsProvider:
             swaps.append((h.host, spare.host))
         return swaps
 
-    def launch(self, module: str, args: list[str], env: dict[str, str], log_dir: str) -> HostsGroup:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        run_id = f"deltaloop-{uuid.uuid4().hex[:12]}"
-        workdir = self.cfg.workdir or REPO_ROOT
-        python = self.cfg.remote_python or sys.executable
+    def _env(self, env: dict[str, str]) -> dict[str, str]:
+        """``forward_env`` from this process plus ``env``."""
         base_env = {name: os.environ[name] for name in self.cfg.forward_env if name in os.environ}
         base_env.update(env)
         base_env.setdefault("OMP_NUM_THREADS", str(self.cfg.threads_per_rank))
+        return base_env
+
+    def _start_node(self, host: HostSpec, cmd: list[str], env: dict[str, str], log: str, pidfile: str) -> _Node:
+        """Start the agent on ``host`` over ssh and hand it ``cmd`` and ``env`` on its stdin."""
+        workdir = self.cfg.workdir or REPO_ROOT
+        python = self.cfg.remote_python or sys.executable
+        remote = f"cd {shlex.quote(workdir)} && exec {shlex.quote(python)} -m infra.cluster.hosts agent"
+        ssh = ServiceSpec(name=f"agent on {host.host}", argv=ssh_argv(self.cfg, host, remote), log=log, lifeline=False)
+        proc = spawn(ssh, stdin=subprocess.PIPE).proc
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"cmd": cmd, "env": env, "pidfile": pidfile}).encode() + b"\n")
+        proc.stdin.flush()
+        return _Node(host, proc, log, pidfile)
+
+    def launch(self, module: str, args: list[str], env: dict[str, str], log_dir: str) -> HostsGroup:
+        """Start torchrun on every used host; each node's output streams into ``log_dir``."""
+        run_id = f"deltaloop-{uuid.uuid4().hex[:12]}"
+        base_env = self._env(env)
         nodes: list[_Node] = []
         try:
             for i, host in enumerate(self.hosts):
-                log = str(Path(log_dir) / f"node{i}-{host.host}.log")
-                pidfile = f"/tmp/{run_id}-node{i}.pid"
-                spec = {
-                    "cmd": torchrun_argv(self.cfg, self.hosts, i, run_id, module, args),
-                    "env": {**base_env, "DELTALOOP_NODE_INDEX": str(i), "DELTALOOP_NODE_HOST": host.host},
-                    "pidfile": pidfile,
-                }
-                remote = f"cd {shlex.quote(workdir)} && exec {shlex.quote(python)} -m infra.cluster.hosts agent"
-                with open(log, "ab") as fh:
-                    proc = subprocess.Popen(ssh_argv(self.cfg, host, remote), stdin=subprocess.PIPE,
-                                            stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-                assert proc.stdin is not None
-                proc.stdin.write(json.dumps(spec).encode() + b"\n")
-                proc.stdin.flush()
-                nodes.append(_Node(host, proc, log, pidfile))
+                nodes.append(self._start_node(
+                    host, torchrun_argv(self.cfg, self.hosts, i, run_id, module, args),
+                    {**base_env, "DELTALOOP_NODE_INDEX": str(i), "DELTALOOP_NODE_HOST": host.host},
+                    str(Path(log_dir) / f"node{i}-{host.host}.log"), f"/tmp/{run_id}-node{i}.pid"))
         except BaseException:
             HostsGroup(self.cfg, nodes, "").terminate(timeout=2)
             raise
         return HostsGroup(self.cfg, nodes, rank0_addr(self.cfg, self.hosts), logs=[n.log for n in nodes])
 
+    def launch_service(self, spec: ServiceSpec) -> HostsGroup:
+        """Run ``spec`` on the first used host through an agent; ``handle.host`` is that host's address.
+
+        ``spec.argv[0]`` when it is this interpreter becomes ``cluster.remote_python``; ``spec.cwd``
+        is ignored (the agent runs in ``cluster.workdir``); the output streams into ``spec.log``."""
+        host = self.hosts[0]
+        python = self.cfg.remote_python or sys.executable
+        argv = [python if spec.argv[0] == sys.executable else spec.argv[0], *spec.argv[1:]]
+        env = self._env(spec.env)
+        if spec.lifeline:  # the agent replaces it with its own pid: the service dies with the agent
+            env["DELTALOOP_PARENT_PID"] = str(os.getpid())
+        log = spec.log or os.devnull
+        node = self._start_node(host, argv, env, log, f"/tmp/deltaloop-{spec.name}-{uuid.uuid4().hex[:12]}.pid")
+        return HostsGroup(self.cfg, [node], host.node_addr, logs=[log] if spec.log else [])
+
 
 # ------------------------------------------------------------------------------ remote agent
-def _descendants(root: int) -> list[int]:
-    """Pids below ``root`` (from /proc), deepest last."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        for c in children.get(pid, []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _signal_tree(sig: int) -> bool:
-    """Send ``sig`` to every descendant of this process; True if any was alive."""
-    pids = _descendants(os.getpid())
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    return bool(pids)
-
-
 def _reap(proc: subprocess.Popen) -> None:
     """Reap exited children (orphans we adopted), letting ``proc`` keep its own exit code."""
     while True:
@@ -379,12 +384,8 @@ def agent_main(grace_s: float = 10.0) -> int:
             print(f"[deltaloop agent] stopping rank tree on {os.uname().nodename}", file=sys.stderr, flush=True)
         except OSError:
             pass
-    if _signal_tree(signal.SIGTERM):
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _descendants(os.getpid()):
-            _reap(proc)
-            time.sleep(0.1)
-        _signal_tree(signal.SIGKILL)
+    if descendants(os.getpid()):
+        stop_processes([proc], grace=grace_s, tree_root=os.getpid(), reap=lambda: _reap(proc))
     code = proc.wait()
     _reap(proc)
     try:

@@ -19,6 +19,10 @@ credentials. ``poll()`` reads the Job status; ``terminate()`` saves pod logs int
 deletes Job (with its pods), Service and Secret. ``master_addr`` is pod 0's DNS name, which resolves
 inside the cluster only: run the flow in the cluster (or port-forward pod 0) to reach rank 0.
 
+A single service (:meth:`KubernetesProvider.launch_service`, the rollout worker) is not given a pod
+of its own: it runs as a child of the flow, which must run inside the cluster to reach rank 0
+anyway, and is reached on loopback.
+
 Kubernetes restarts nothing (``backoffLimit: 0``, ``restartPolicy: Never``): the flow decides.
 There is no dead-man switch as with ``hosts``; ``ttlSecondsAfterFinished`` cleans finished Jobs and
 ``DELTALOOP_PARENT_PID`` is not forwarded (that pid means nothing inside a pod).
@@ -33,6 +37,7 @@ from typing import Any
 
 from infra.cluster.base import ClusterError
 from infra.config import ClusterConfig
+from infra.proc import ServiceProcess, ServiceSpec, spawn
 
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 _DROPPED_ENV = {"DELTALOOP_PARENT_PID"}
@@ -206,3 +211,7 @@ class KubernetesProvider:
             group.terminate()
             raise ClusterError(f"cannot create {name} in namespace {ns}: {exc}") from exc
         return group
+
+    def launch_service(self, spec: ServiceSpec) -> ServiceProcess:
+        """Start ``spec`` next to the flow (in the flow's pod), reached on loopback."""
+        return spawn(spec)

@@ -1,34 +1,39 @@
-"""``cluster.type: local`` — N trainer ranks on this host under torchrun."""
+"""``cluster.type: local`` — N trainer ranks on this host under torchrun, and services on this host.
+
+torchrun runs with ``--standalone``: its rendezvous store binds port 0 itself and the ranks join
+through it, so no master port is chosen here and then bound by another process.
+"""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from infra.cluster.base import PopenGroup, free_port
+from infra.cluster.base import PopenGroup
 from infra.config import ClusterConfig
+from infra.proc import LOOPBACK, ServiceProcess, ServiceSpec, spawn
 
 
 class LocalProvider:
-    """Runs ``torch.distributed.run --nproc_per_node=N`` as one local child process group."""
+    """Runs ``torch.distributed.run --standalone --nproc_per_node=N`` as one local process group."""
 
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
         self.world_size = cfg.ranks
 
     def launch(self, module: str, args: list[str], env: dict[str, str], log_dir: str) -> PopenGroup:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        log_path = str(Path(log_dir) / "trainer.log")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nproc_per_node={self.cfg.ranks}", "--nnodes=1",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-            "-m", module, *args,
-        ]
-        full_env = {**os.environ, **env, "OMP_NUM_THREADS": str(self.cfg.threads_per_rank)}
-        log = open(log_path, "ab")
-        proc = subprocess.Popen(cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        return PopenGroup([proc], master_addr="127.0.0.1", logs=[log_path])
+        """Start torchrun with ``cluster.ranks`` ranks of ``python -m MODULE ARGS``; log in ``log_dir``."""
+        spec = ServiceSpec(
+            name="trainer",
+            argv=[sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  f"--nproc_per_node={self.cfg.ranks}", "-m", module, *args],
+            env={**env, "OMP_NUM_THREADS": str(self.cfg.threads_per_rank)},
+            log=str(Path(log_dir) / "trainer.log"),
+            lifeline=False,  # the caller's env decides (ranks watch DELTALOOP_PARENT_PID when given)
+        )
+        svc = spawn(spec)
+        return PopenGroup([svc.proc], master_addr=LOOPBACK, logs=svc.logs)
+
+    def launch_service(self, spec: ServiceSpec) -> ServiceProcess:
+        """Start ``spec`` on this host (reached on loopback)."""
+        return spawn(spec)

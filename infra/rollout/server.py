@@ -1,14 +1,19 @@
-"""The rollout worker: one process holding an inference engine, served over HTTP on loopback.
+"""The rollout worker: one process holding an inference engine, served over HTTP.
 
-Started once by *provision* (``python -m infra.rollout.server --spec F --port P``), it keeps the
-model in memory for the whole run. Each new policy version is pulled from the weight-sync store
-and applied in place (``POST /v1/load``); every batch it generates records the version that
-produced it. Prompts and rollouts travel through the object store (data plane); HTTP carries only
-keys and small results (control plane).
+Started once by *provision* through the cluster provider (``python -m infra.rollout.server``, with
+an :class:`infra.specs.RolloutSpec` — the worker's config sections and the run — in its
+environment, or ``--spec FILE``), it keeps the model in memory for the whole run. It binds its own
+listening socket (``spec.port``, 0 = any free port) first, loads the model, and then publishes the
+address it got at ``spec.address_key`` in the object store: no port is chosen by one process and
+bound by another, and the flow finds the worker wherever the provider placed it (loopback for
+``local``). Each new policy version is pulled from the weight-sync store and applied in place
+(``POST /v1/load``); every batch it generates records the version that produced it. Prompts and
+rollouts travel through the object store (data plane); HTTP carries only keys and small results
+(control plane).
 
 Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``, and the
 OpenAI-compatible ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(:mod:`infra.rollout.openai_api`; served model name ``spec["model_name"]``, default ``policy``) for
+(:mod:`infra.rollout.openai_api`; served model name ``spec.model_name``, default ``policy``) for
 agent harnesses and multi-turn environments. OpenAI requests do not take the worker lock: they join
 the engine's continuous batch, and the engine itself keeps weight loads between requests.
 """
@@ -16,44 +21,35 @@ the engine's continuous batch, and the engine itself keeps weight loads between 
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from infra.config import RunConfig
 from infra.lifeline import exit_with_parent
+from infra.specs import RolloutSpec
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
 
 
 class RolloutWorker:
     """Engine + weight reader; generation and weight loads are serialised by one lock."""
 
-    def __init__(self, cfg: RunConfig, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: RolloutSpec) -> None:
         import torch
 
+        from infra.model import load_policy
         from infra.rollout import create_engine
         from infra.weightsync import VersionReader
 
+        cfg = spec.config
         torch.set_num_threads(cfg.rollout.threads)
         self.cfg = cfg
-        self.store: ObjectStore = open_store(spec["store_uri"], spec.get("endpoint_url"), spec.get("region"))
-        init_dir = spec.get("init_dir")
-        if init_dir:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(init_dir, torch_dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(init_dir)
-        else:
-            from infra.model import load_policy
-
-            model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+        self.store: ObjectStore = open_store(**spec.store.model_dump())
+        model, tokenizer = load_policy(cfg.model, seed=cfg.seed, folder=spec.init_dir or None)
         model.eval()
         self.engine = create_engine(cfg.rollout, model, tokenizer)
-        self.reader = VersionReader(self.store, run_key(spec["run_id"], None, "weights"), threads=cfg.weight_sync.threads)
+        self.reader = VersionReader(self.store, run_key(spec.run_id, None, "weights"), threads=cfg.weight_sync.threads)
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
@@ -161,22 +157,27 @@ def build_app(worker: RolloutWorker, model_name: str = "policy") -> Any:
 
 
 def main() -> None:
-    """Process entry point."""
+    """Process entry point: bind, report the address, load the model, serve."""
     import uvicorn
 
+    from infra.proc import bind_socket
+    from infra.rpc import host_address, publish_address
+
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--spec", help="RolloutSpec JSON file (default: $DELTALOOP_SPEC).")
     args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
+    spec = RolloutSpec.read(args.spec)
     exit_with_parent()
-    cfg = RunConfig.model_validate(spec["config"])
-    worker = RolloutWorker(cfg, spec)
+    sock = bind_socket(spec.bind, spec.port)
+    worker = RolloutWorker(spec)
     from infra.gcpause import freeze_startup_objects
 
     freeze_startup_objects()  # later full GCs skip torch's ~170k import-time objects (~110 ms each)
-    uvicorn.run(build_app(worker, spec.get("model_name") or "policy"), host=args.host, port=args.port, log_level="warning")
+    # published once the model is loaded: a reported address answers /health within moments
+    host = spec.bind if spec.bind in ("127.0.0.1", "localhost", "::1") else host_address()
+    publish_address(worker.store, spec.address_key, host, sock.getsockname()[1])
+    config = uvicorn.Config(build_app(worker, spec.model_name), log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

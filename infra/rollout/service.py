@@ -1,29 +1,30 @@
-"""Handle on a rollout worker process (see :mod:`infra.rollout.server`).
+"""Handle on the rollout worker process (see :mod:`infra.rollout.server`).
 
-Started once by *provision*; per-step tasks call :meth:`RolloutService.load` and
-:meth:`RolloutService.rollout`. :meth:`RolloutService.close` terminates the process group, and the
-worker also exits by itself when the flow process disappears.
+Started once by *provision* through the configured cluster provider
+(:meth:`~infra.cluster.base.ClusterProvider.launch_service`), so it runs wherever the provider
+places it: this host for ``local``, the first host for ``hosts``. The worker binds its own port and
+publishes the address under ``runs/<run>/control/rollout.json``; the URL is the provider's host plus
+that port. A worker that does not come up is started once more, then provision fails with one
+:class:`~infra.proc.ServiceStartError` line. Per-step tasks call :meth:`RolloutService.load` and
+:meth:`RolloutService.rollout`; :meth:`RolloutService.close` stops the process tree, and the worker
+also exits by itself when the flow process disappears.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from infra.cluster.base import free_port
 from infra.config import RunConfig
-from infra.rpc import ServiceDied
-from infra.storage import ObjectStore
+from infra.proc import ServiceDied, ServiceSpec, describe_exit, http_probe, start_with_retry, tail, wait_until
+from infra.rpc import address_probe
+from infra.specs import RolloutSpec
+from infra.storage import ObjectStore, run_key
 
 
 class RolloutService:
-    """One rollout worker process on this host, reached over HTTP on loopback."""
+    """One rollout worker process, reached over HTTP at :attr:`url`."""
 
     def __init__(self, cfg: RunConfig, run_id: str, store: ObjectStore, run_dir: Path,
                  init_dir: str | None = None) -> None:
@@ -32,13 +33,17 @@ class RolloutService:
         self.store = store
         self.run_dir = Path(run_dir)
         self.init_dir = init_dir
+        self.address_key = run_key(run_id, None, "control", "rollout.json")
+        self.host = "127.0.0.1"
         self.port = 0
-        self._proc: subprocess.Popen | None = None
+        self._handle: Any = None  # infra.cluster.base.ServiceHandle
+        self._started = 0.0
         self._log = str(self.run_dir / "logs" / "rollout.log")
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """Base URL of the worker (valid once :meth:`wait_ready` returned)."""
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         """Launch the worker and wait until it answers ``/health``."""
@@ -46,51 +51,53 @@ class RolloutService:
         self.wait_ready()
 
     def launch(self) -> None:
-        """Start the worker process without waiting for it."""
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        spec = {"config": self.cfg.model_dump(mode="json"), "run_id": self.run_id, "store_uri": self.store.uri,
-                "endpoint_url": self.cfg.storage.endpoint_url, "region": self.cfg.storage.region,
-                "init_dir": self.init_dir}
-        spec_path = self.run_dir / "rollout_spec.json"
-        spec_path.write_text(json.dumps(spec, indent=1))
-        self.port = free_port()
-        env = {**os.environ, "DELTALOOP_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(self.cfg.rollout.threads)}
-        with open(self._log, "ab") as log:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "infra.rollout.server", "--spec", str(spec_path), "--port", str(self.port)],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+        """Start the worker process through the cluster provider, without waiting for it."""
+        from infra.cluster import create_provider
+
+        bind = "127.0.0.1" if self.cfg.cluster.type == "local" else "0.0.0.0"
+        spec = RolloutSpec.build(self.cfg, self.run_id, self.store.uri, self.address_key, self.init_dir, bind)
+        spec.write(self.run_dir / "rollout_spec.json")
+        service = ServiceSpec.python(
+            "rollout worker", "infra.rollout.server", [],
+            env={**spec.to_env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.cfg.rollout.threads)},
+            log=self._log,
+        )
+        self._started = time.time()
+        self._handle = create_provider(self.cfg.cluster).launch_service(service)
 
     def wait_ready(self) -> None:
-        """Wait until the launched worker answers ``/health``; raises ServiceDied with its log."""
-        import httpx
+        """Wait until the launched worker reports its port and answers ``/health``.
 
-        deadline = time.monotonic() + self.cfg.rollout.start_timeout_s
-        while time.monotonic() < deadline:
-            dead = self.dead_reason()
-            if dead:
-                raise ServiceDied(dead)
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise ServiceDied(f"rollout worker did not answer within {self.cfg.rollout.start_timeout_s:.0f}s; log {self._log}")
+        A worker that dies or does not answer in ``rollout.start_timeout_s`` is started once more;
+        then :class:`~infra.proc.ServiceStartError` (one line; the log path in it) is raised."""
+        attempt = [0]
+
+        def start() -> None:
+            attempt[0] += 1
+            if attempt[0] > 1:
+                self.launch()
+            self._wait_once()
+
+        start_with_retry("rollout worker", start, self._stop)
+
+    def _wait_once(self) -> None:
+        timeout = self.cfg.rollout.start_timeout_s
+        deadline = time.monotonic() + timeout
+        addr = wait_until(address_probe(self.store, self.address_key, self._started - 1), timeout,
+                          self.dead_reason, "rollout worker")
+        self.host, self.port = self._handle.host, int(addr["port"])
+        wait_until(http_probe(self.url + "/health"), max(1.0, deadline - time.monotonic()), self.dead_reason,
+                   "rollout worker")
 
     def dead_reason(self) -> str | None:
-        """None while running; else the exit code and the end of the log."""
-        if self._proc is None:
+        """None while running; else how it ended and the end of its log."""
+        if self._handle is None:
             return "rollout worker not started"
-        code = self._proc.poll()
+        code = self._handle.poll()
         if code is None:
             return None
-        try:
-            tail = "\n".join(Path(self._log).read_text(errors="replace").splitlines()[-30:])
-        except OSError:
-            tail = ""
-        return f"rollout worker exited with code {code}\n{tail}"
+        return (f"rollout worker on {self._handle.host} stopped: {describe_exit(code)} (log {self._log})\n"
+                f"{tail(self._log)}")
 
     def _post(self, path: str, body: dict[str, Any], timeout: float = 3600.0) -> dict[str, Any]:
         import httpx
@@ -119,19 +126,11 @@ class RolloutService:
 
         return int(httpx.get(self.url + "/v1/version", timeout=10).json()["version"])
 
+    def _stop(self) -> None:
+        if self._handle is not None:
+            self._handle.terminate(timeout=5.0)
+            self._handle = None
+
     def close(self) -> None:
-        """Terminate the worker's process group. Idempotent."""
-        if self._proc is None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self._proc.poll() is not None:
-                break
-            try:
-                os.killpg(self._proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                continue
-        self._proc = None
+        """Stop the worker's process tree. Idempotent."""
+        self._stop()

@@ -11,13 +11,13 @@ import json
 import os
 import queue
 import select
-import signal
 import subprocess
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
+from infra.proc import stop_processes
 from infra.sandbox.types import SandboxDied
 
 
@@ -176,15 +176,7 @@ class PipeTransport:
             if self._killed:
                 return
             self._killed = True
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
-            self.proc.kill()
-        except OSError:
-            pass
-        self.proc.wait()
+        stop_processes([self.proc], grace=0, tree=False)  # the runner's group: everything it started
         for stream in (self.proc.stdin, self.proc.stdout):
             try:
                 if stream is not None:

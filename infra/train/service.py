@@ -5,6 +5,10 @@ provider (``local`` torchrun by default), waits for rank 0 to publish its contro
 object store, and then sends one command per pipeline stage (``init``, ``warmstart``, ``publish``,
 ``train_step``, ``export``). Nothing reloads the model per step.
 
+Each rank gets an :class:`infra.specs.TrainerSpec` in its environment: the trainer's sections of the
+resolved run config and the run's identity, built once here. A group that does not come up is
+started once more, then :class:`~infra.proc.ServiceStartError` (one line) is raised.
+
 If the group dies (a rank is killed, a host is lost), calls raise :class:`~infra.rpc.ServiceDied`;
 :func:`infra.stages.provision.restart_trainer` then starts a fresh group and restores the newest
 checkpoint, and the train stage replays the steps after it (see docs/training.md).
@@ -16,7 +20,6 @@ rank outlives its flow.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -25,7 +28,9 @@ from typing import Any
 
 from infra.cluster.base import GroupHandle
 from infra.config import RunConfig
-from infra.rpc import RpcClient, ServiceDied
+from infra.proc import ServiceDied, start_with_retry, tail
+from infra.rpc import RpcClient
+from infra.specs import TrainerSpec
 from infra.storage import ObjectStore, run_key
 
 
@@ -33,16 +38,6 @@ class TrainerRestartsExhausted(ServiceDied):
     """The trainer group died more often than ``trainer.max_restarts`` allows (no more retries)."""
 
     retryable = False
-
-
-def _tail(path: str, lines: int = 30) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 16384))
-            return "\n".join(fh.read().decode(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 class TrainerService:
@@ -71,21 +66,15 @@ class TrainerService:
 
     # ------------------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Launch every rank and connect to rank 0; raises :class:`ServiceDied` with the log tail."""
-        spec = {
-            "config": self.cfg.model_dump(mode="json"),
-            "run_id": self.run_id,
-            "store_uri": self.store.uri,
-            "endpoint_url": self.cfg.storage.endpoint_url,
-            "region": self.cfg.storage.region,
-            "control_key": self.control_key,
-            "init_dir": self.init_dir,
-            "run_dir": str(self.run_dir),
-        }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        spec_path = self.run_dir / "trainer_spec.json"
-        spec_path.write_text(json.dumps(spec, indent=1))
+        """Launch every rank and connect to rank 0; a failed start is retried once, then raises
+        :class:`~infra.proc.ServiceStartError`."""
+        start_with_retry("trainer", self._start_once, self._stop_group)
+
+    def _start_once(self) -> None:
+        spec = TrainerSpec.build(self.cfg, self.run_id, self.store.uri, self.control_key, self.run_dir, self.init_dir)
+        spec.write(self.run_dir / "trainer_spec.json")
         env = {
+            **spec.to_env(),
             "DELTALOOP_AUTHKEY": self._authkey.hex(),
             "DELTALOOP_PARENT_PID": str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
@@ -96,9 +85,8 @@ class TrainerService:
             from infra.cluster.health import provision as provision_group
 
             self._provider, self.health = provision_group(self.cfg.cluster, str(self.run_dir / "logs"))
-        provider = self._provider
         started = time.time()
-        self._handle = provider.launch("infra.train.worker", ["--spec", str(spec_path)], env, str(self.run_dir / "logs"))
+        self._handle = self._provider.launch("infra.train.worker", [], env, str(self.run_dir / "logs"))
         self._logs = list(getattr(self._handle, "logs", []))
         self._client = RpcClient.connect(
             self.store, self.control_key, self._authkey, self.cfg.cluster.start_timeout_s, self.dead_reason, started - 1
@@ -111,7 +99,7 @@ class TrainerService:
         code = self._handle.poll()
         if code is None:
             return None
-        tails = "\n".join(_tail(p) for p in self._logs)
+        tails = "\n".join(tail(p) for p in self._logs)
         return f"trainer group exited with code {code} ({self._handle.describe()})\n{tails}"
 
     def call(self, op: str, timeout_s: float = 3600.0, **kwargs: Any) -> dict:
@@ -134,6 +122,10 @@ class TrainerService:
             deadline = time.monotonic() + 5
             while self._handle.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
+        self._stop_group()
+
+    def _stop_group(self) -> None:
+        if self._handle is not None:
             self._handle.terminate()
             self._handle = None
 

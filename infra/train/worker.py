@@ -1,4 +1,7 @@
-"""One trainer rank. Run under torchrun by a cluster provider: ``python -m infra.train.worker --spec F``.
+"""One trainer rank. Run under torchrun by a cluster provider: ``python -m infra.train.worker``.
+
+The rank reads its :class:`infra.specs.TrainerSpec` (the trainer's sections of the resolved run
+config and the run's identity) from ``$DELTALOOP_SPEC``, or from ``--spec FILE`` when run by hand.
 
 The rank builds the policy and wraps it in the configured engine (``trainer.engine``: torch replica
 with a flat gradient all-reduce, FSDP, or DeepSpeed ZeRO; see :mod:`infra.train.engines`). Rank 0
@@ -17,7 +20,6 @@ Every ``trainer.checkpoint_every`` steps the full state goes to the object store
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 import traceback
@@ -27,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra.config import RunConfig
 from infra.errors import DeltaloopError, is_retryable
 from infra.lifeline import exit_with_parent
+from infra.specs import TrainerSpec
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
 
 
@@ -42,11 +44,12 @@ class StepOrderError(DeltaloopError):
 class Trainer:
     """State of one rank: engine (model + optimizer), step, weights version, publisher (rank 0)."""
 
-    def __init__(self, cfg: RunConfig, spec: dict[str, Any], store: ObjectStore) -> None:
-        self.cfg = cfg
+    def __init__(self, spec: TrainerSpec, store: ObjectStore) -> None:
+        self.cfg = spec.config  # the trainer's sections of the run config (same names as RunConfig's)
         self.spec = spec
         self.store = store
-        self.run_id: str = spec["run_id"]
+        self.run_id = spec.run_id
+        self.init_dir = spec.init_dir  # a registered model to start from (None: build from config)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.step = 0
@@ -64,14 +67,7 @@ class Trainer:
         from infra.train.engines import create_engine
 
         torch.manual_seed(self.cfg.seed)
-        init_dir = self.spec.get("init_dir")
-        if init_dir:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(init_dir, torch_dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(init_dir)
-        else:
-            model, tokenizer = load_policy(self.cfg.model, seed=self.cfg.seed)
+        model, tokenizer = load_policy(self.cfg.model, seed=self.cfg.seed, folder=self.init_dir)
         model = model.float()
         tcfg = self.cfg.trainer
         if tcfg.activation_checkpointing:
@@ -241,7 +237,7 @@ class Trainer:
             raise ValueError(f"step {step}: the rollout batch {rollouts_key} has no samples")
         rewards = torch.tensor(scores["rewards"], dtype=torch.float32)
         adv = group_advantages(rewards, rollouts["group_size"], norm=self.cfg.trainer.advantage_norm)
-        metrics, norm = self._grpo_update(step, rollouts["prompts"], samples, adv)
+        metrics, norm = self._grpo_update(rollouts["prompts"], samples, adv)
         self.step = step
         train_seconds = time.perf_counter() - t0
         publish = self._publish_next()
@@ -268,7 +264,7 @@ class Trainer:
                 result["metrics"] = {**result.get("metrics", {}), "checkpoint_seconds": ckpt["seconds"]}
         return result
 
-    def _grpo_update(self, step: int, prompts: list[str], samples: list[dict[str, Any]],
+    def _grpo_update(self, prompts: list[str], samples: list[dict[str, Any]],
                      adv: torch.Tensor) -> tuple[dict[str, float], float]:
         """Collective: ``inner_epochs`` optimizer steps on this rank's rows; (metrics over all ranks, grad norm).
 
@@ -368,15 +364,15 @@ def _group_broken(exc: BaseException) -> bool:
 def main() -> None:
     """Rank entry point: join the group, then serve commands until ``shutdown``."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--spec", required=True)
+    parser.add_argument("--spec", help="TrainerSpec JSON file (default: $DELTALOOP_SPEC).")
     args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
-    cfg = RunConfig.model_validate(spec["config"])
+    spec = TrainerSpec.read(args.spec)
+    cfg = spec.config
     torch.set_num_threads(cfg.cluster.threads_per_rank)
     exit_with_parent()
     dist.init_process_group(backend=cfg.cluster.backend)
-    store = open_store(spec["store_uri"], spec.get("endpoint_url"), spec.get("region"))
-    trainer = Trainer(cfg, spec, store)
+    store = open_store(**spec.store.model_dump())
+    trainer = Trainer(spec, store)
     from infra.gcpause import freeze_startup_objects
 
     freeze_startup_objects()  # later full GCs skip torch's ~170k import-time objects (~110 ms each)
@@ -385,7 +381,7 @@ def main() -> None:
         from infra.rpc import serve_listener
 
         bind = "127.0.0.1" if cfg.cluster.type == "local" else "0.0.0.0"
-        listener = serve_listener(store, spec["control_key"], bytes.fromhex(os.environ["DELTALOOP_AUTHKEY"]), bind)
+        listener = serve_listener(store, spec.control_key, bytes.fromhex(os.environ["DELTALOOP_AUTHKEY"]), bind)
         conn = listener.accept()
     while True:
         box: list[Any] = [None]

@@ -168,3 +168,28 @@ def test_unreachable_host_is_named(fake_hosts: NetnsCluster, tmp_path: Path) -> 
     with pytest.raises(HealthCheckFailed, match=f"could not run on host\\(s\\) {fake_hosts.hosts[1].addr}"):
         check_health(create_provider(cfg), cfg, log_dir=str(tmp_path))
     assert _wait_no_ranks(fake_hosts) == []
+
+
+def test_service_placed_on_a_host_reports_its_port(fake_hosts: NetnsCluster, tmp_path: Path) -> None:
+    """launch_service runs one process on the first host; it binds port 0 there and reports the port."""
+    import socket
+    import sys
+
+    from infra.proc import ServiceSpec, file_probe, wait_until
+
+    ready = str(tmp_path / "ready.json")
+    code = ("import socket, sys\nfrom infra.proc import bind_socket, report_ready\n"
+            "sock = bind_socket('0.0.0.0', 0)\n"
+            "report_ready(sys.argv[1], port=sock.getsockname()[1], host=socket.gethostname())\n"
+            "while True:\n    conn, _ = sock.accept()\n    conn.sendall(b'hi')\n    conn.close()\n")
+    spec = ServiceSpec(name="probe", argv=[sys.executable, "-c", code, ready], log=str(tmp_path / "probe.log"))
+    handle = create_provider(_cfg(fake_hosts, [0, 1])).launch_service(spec)
+    try:
+        info = wait_until(file_probe(ready), 120, lambda: None if handle.poll() is None else handle.describe())
+        assert handle.host == fake_hosts.hosts[0].addr and info["host"] == fake_hosts.hosts[0].hostname
+        host, port = handle.tunnel(handle.host, info["port"])  # the flow has no route to the hosts
+        with socket.create_connection((host, port), timeout=10) as conn:
+            assert conn.recv(2) == b"hi"
+    finally:
+        handle.terminate()
+    assert handle.poll() is not None and _wait_no_ranks(fake_hosts) == []

@@ -30,13 +30,14 @@ def harness() -> Iterator[None]:
 
 
 def _service_pids(run_root: Path) -> list[int]:
-    """Processes whose command line mentions the run root (trainer ranks, rollout worker, sandboxes)."""
+    """Processes whose command line or environment (a service's spec, ``DELTALOOP_SPEC``) mentions
+    the run root (trainer ranks, rollout worker, sandboxes)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = ((d / "cmdline").read_bytes() + (d / "environ").read_bytes()).decode(errors="replace")
         except OSError:
             continue
         if str(run_root) in cmd:

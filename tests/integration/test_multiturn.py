@@ -14,7 +14,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from evals.funcfit import make_problem, train_batch  # noqa: E402
 from evals.multiturn import run_episodes, run_tool  # noqa: E402
-from infra.cluster.base import free_port  # noqa: E402
+from infra.proc import free_port  # noqa: E402
 from infra.config import SandboxConfig, TinyModelConfig  # noqa: E402
 from infra.model import build_tiny_model, build_tokenizer  # noqa: E402
 from infra.rollout.local import LocalEngine  # noqa: E402

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from infra.ops.trigger import request, trigger, wait
-from infra.serve import descendants
+from infra.proc import descendants
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from infra.cluster.base import free_port  # noqa: E402
+from infra.proc import free_port  # noqa: E402
 from infra.config import TinyModelConfig  # noqa: E402
 from infra.model import build_tiny_model, build_tokenizer  # noqa: E402
 from infra.rollout.local import LocalEngine  # noqa: E402

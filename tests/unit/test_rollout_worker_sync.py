@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from infra.config import load_config  # noqa: E402
 from infra.model import publishable_state  # noqa: E402
 from infra.rollout.server import RolloutWorker  # noqa: E402
+from infra.specs import RolloutSpec  # noqa: E402
 from infra.storage import FileStore, run_key  # noqa: E402
 from infra.weightsync import VersionPublisher, WeightSyncError  # noqa: E402
 from infra.weightsync.layout import version_dir  # noqa: E402
@@ -53,8 +54,8 @@ def test_worker_applies_deltas_in_place_and_recovers_from_a_failed_fetch(tmp_pat
                                                                         keep_torch_threads: None) -> None:
     cfg = load_config(None, OVERRIDES)
     store_dir = tmp_path / "store"
-    worker = RolloutWorker(cfg, {"store_uri": f"file://{store_dir}", "run_id": "r"})
     store = FileStore(store_dir)
+    worker = RolloutWorker(RolloutSpec.build(cfg, "r", store.uri))
     prefix = run_key("r", None, "weights")
     # small delta shards: the corruption below needs a shard object (the last frames ride in the manifest)
     pub = VersionPublisher(store, prefix, keyframe_every=100, delta_shard_bytes=1 << 10)
