@@ -9,13 +9,12 @@ workers with at most ``2 * threads`` tasks in flight (a task is one keyframe chu
 ``DELTA_TASK_CHUNKS`` delta chunks, whose frames are small); frames are appended in chunk order to
 shards of ``shard_bytes`` (default 32 MiB) that upload on ``io_threads`` threads while encoding
 continues, with at most ``2 * io_threads`` shards queued. Delta frames go to smaller shards
-(``delta_shard_bytes``, default 256 KiB): a small delta then uploads while the rest of the model
-is still being encoded, instead of as one object after the last chunk (at lr 1e-6 the whole delta
-is ~0.75 MB, 15 ms of a 50 MB/s link, that now overlaps encoding); the last, partly filled delta
-shard is not uploaded on its own but carried by the manifest object, so one PUT follows the last
-chunk. Peak extra memory over the base copy is
-therefore about ``2*threads*chunk_bytes*3 + (2*io_threads+2)*shard_bytes`` (~350 MiB at defaults,
-only reached by keyframes; a delta at lr 1e-6 is ~0.5% of the model and fits in one shard).
+(``delta_shard_bytes``, default 256 KiB), so a small delta uploads while the rest of the model is
+still being encoded rather than as one object after the last chunk (at lr 1e-6 the whole delta is
+~0.75 MB, 15 ms of a 50 MB/s link); the last, partly filled delta shard is not uploaded on its own
+but carried by the manifest object, so one PUT follows the last chunk. Peak extra memory over the
+base copy is therefore about ``2*threads*chunk_bytes*3 + (2*io_threads+2)*shard_bytes`` (~350 MiB
+at defaults, only reached by keyframes; a delta at lr 1e-6 is ~0.5% of the model).
 A version becomes visible when its manifest is written, after every shard upload succeeded; if
 publish fails midway nothing is visible, the base is marked unknown and the next version is a
 keyframe.
@@ -92,6 +91,7 @@ class _Shards:
         self.written = 0
 
     def add(self, frame: bytes) -> list:
+        """Append ``frame``; returns its ``[shard, offset, length]`` (shard index per kind)."""
         if not self.parts:
             self.names.append(f"{self.tag}-{len(self.names):04d}.bin")
         loc = [len(self.names) - 1, self.size, len(frame)]
@@ -111,6 +111,7 @@ class _Shards:
         return tail
 
     def flush(self) -> None:
+        """Upload the frames gathered so far as one shard, in the background."""
         if not self.parts:
             return
         blob = b"".join(self.parts) if len(self.parts) > 1 else self.parts[0]
@@ -246,96 +247,33 @@ class VersionPublisher:
         meta: dict[str, Any] | None,
         t0: float,
     ) -> tuple[PublishInfo, dict[str, np.ndarray]]:
+        """Encode and upload every chunk, then commit ``version`` by writing its manifest.
+
+        Returns what was done and the new base (``base`` itself, updated in place, for a delta).
+        On any failure, work still running on the pools is settled before the error propagates,
+        so nothing writes to the new base afterwards."""
         vdir = version_dir(self.prefix, version)
-        pending: deque[Future] = deque()
-        written = 0
-        cpu = self._pools.get("enc", self.threads)
+        pending: deque[Future] = deque()  # shard (and marker) uploads
+        window: deque[tuple[list, Future]] = deque()  # encode tasks in flight
         io = self._pools.get("io", self.io_threads)
-        window: deque[tuple[list, Future]] = deque()
         try:
             kshards = _Shards(self.store, vdir, "k", self.shard_bytes, io, pending)
             dshards = _Shards(self.store, vdir, "d", self.delta_shard_bytes, io, pending)
             new_base = base if base is not None else {n: np.empty_like(words[n]) for n in names}
-            jobs = []
-            for n in names:
-                w = words[n]
-                for ci, (s, e) in enumerate(chunk_bounds(len(w), w.dtype.itemsize, self.chunk_bytes)):
-                    jobs.append((n, ci, s, e))
-            entries: dict[str, list[ChunkEntry]] = {n: [] for n in names}
-            changed = total = 0
-            # a delta chunk is ~0.2 ms of kernel: hand them out a few at a time, so the futures and
-            # the GIL-holding bookkeeping per task do not rival the work (keyframe chunks: one each)
-            group = 1 if is_key or base is None else DELTA_TASK_CHUNKS
-            it = iter([jobs[i : i + group] for i in range(0, len(jobs), group)])
-
-            def job(n: str, ci: int, s: int, e: int) -> EncodedChunk:
-                cur = new_base[n][s:e]
-                return encode_chunk(
-                    cur if base is not None else None, words[n][s:e], keyframe=is_key, codec=self.codec,
-                    level=self.level, prev_digest=self._digests[n][ci] if base is not None else None,
-                    update_base=cur, hot=self._hot.chunk((n, ci), cur) if base is not None else None,
-                )
-
-            def task(specs: list[tuple[str, int, int, int]]) -> list[EncodedChunk]:
-                return [job(*spec) for spec in specs]
-
-            def submit_next() -> bool:
-                specs = next(it, None)
-                if specs is None:
-                    return False
-                window.append((specs, cpu.submit(task, specs)))
-                return True
-
-            for _ in range(2 * self.threads):
-                if not submit_next():
-                    break
-            while window:
-                specs, fut = window.popleft()
-                results = fut.result()
-                submit_next()
-                for (n, ci, s, e), res in zip(specs, results):
-                    entry = ChunkEntry(res.digest)
-                    if res.key is not None:
-                        entry.k = kshards.add(res.key)
-                    if res.delta is not None:
-                        entry.d = dshards.add(res.delta)
-                    entries[n].append(entry)
-                    changed += res.changed
-                    total += e - s
-                while len(pending) > 2 * self.io_threads:
-                    pending.popleft().result()
+            entries, changed, total = self._encode(names, words, base, new_base, is_key, window, kshards, dshards,
+                                                   pending)
             kshards.flush()
             tail = dshards.take_tail(TAIL_SHARD)  # uploaded with the manifest: one PUT fewer at the end
             if is_key:  # the marker goes up with the last shards (it must exist before the manifest)
                 pending.append(io.submit(self.store.put, f"{vdir}/{KEYFRAME_MARK}", b""))
             file_digests, file_bytes = self._put_files(files or {})
             # the manifest is built while the last shards upload; it is written after they all are
-            shard_names = [f"k-{i:04d}.bin" for i in range(len(kshards.names))]
-            man = Manifest(
-                version=version,
-                keyframe=is_key,
-                base=(version - 1) if base is not None else None,
-                chunk_bytes=self.chunk_bytes,
-                shards=shard_names + dshards.names,
-                tensors=[
-                    TensorEntry(n, s[1], list(s[2]), int(tensors[n].element_size() * tensors[n].numel()),
-                                tensor_digest([c.h for c in entries[n]]), entries[n])
-                    for n, s in zip(names, sig)
-                ],
-                files=file_digests,
-                meta=dict(meta or {}),
-                tail=tail,
-            )
-            # shard indices in entries are per kind; make them indices into man.shards
-            off = len(shard_names)
-            for t in man.tensors:
-                for c in t.chunks:
-                    if c.d is not None:
-                        c.d = [c.d[0] + off, c.d[1], c.d[2]]
+            man = self._manifest(version, is_key, base is not None, names, sig, tensors, entries, len(kshards.names),
+                                 dshards.names, file_digests, meta, tail)
             blob = man.to_bytes()
             while pending:
                 pending.popleft().result()
-            written += kshards.written + dshards.written + file_bytes
+            written = kshards.written + dshards.written + file_bytes
         except BaseException:
             settle([f for _, f in window] + list(pending))  # nothing may still write to new_base
             raise
@@ -345,18 +283,124 @@ class VersionPublisher:
         self._sig = sig
         self._digests = {n: [c.h for c in entries[n]] for n in names}
         self._files = file_digests
-        raw = sum(t.nbytes for t in man.tensors)
         if self.keep_versions:
             collect(self.store, self.prefix, self.keep_versions)
         info = PublishInfo(
             version=version,
             kind="keyframe" if is_key else "delta",
             bytes_written=written,
-            raw_bytes=raw,
+            raw_bytes=sum(t.nbytes for t in man.tensors),
             seconds=time.perf_counter() - t0,
             changed_fraction=(changed / total) if total else 0.0,
         )
         return info, new_base
+
+    def _encode(
+        self,
+        names: list[str],
+        words: dict[str, np.ndarray],
+        base: dict[str, np.ndarray] | None,
+        new_base: dict[str, np.ndarray],
+        is_key: bool,
+        window: deque[tuple[list, Future]],
+        kshards: _Shards,
+        dshards: _Shards,
+        pending: deque[Future],
+    ) -> tuple[dict[str, list[ChunkEntry]], int, int]:
+        """Encode every chunk on the encode pool and add its frames to the shards, in chunk order.
+
+        At most ``2 * threads`` tasks are in ``window`` (the caller settles them on failure) and
+        at most ``2 * io_threads`` shard uploads in ``pending``. Returns the chunk entries per
+        tensor, the words that changed and the words in all."""
+        cpu = self._pools.get("enc", self.threads)
+        jobs = []
+        for n in names:
+            w = words[n]
+            for ci, (s, e) in enumerate(chunk_bounds(len(w), w.dtype.itemsize, self.chunk_bytes)):
+                jobs.append((n, ci, s, e))
+        entries: dict[str, list[ChunkEntry]] = {n: [] for n in names}
+        changed = total = 0
+        # a delta chunk is ~0.2 ms of kernel: hand them out a few at a time, so the futures and
+        # the GIL-holding bookkeeping per task do not rival the work (keyframe chunks: one each)
+        group = 1 if is_key or base is None else DELTA_TASK_CHUNKS
+        it = iter([jobs[i : i + group] for i in range(0, len(jobs), group)])
+
+        def job(n: str, ci: int, s: int, e: int) -> EncodedChunk:
+            cur = new_base[n][s:e]
+            return encode_chunk(
+                cur if base is not None else None, words[n][s:e], keyframe=is_key, codec=self.codec,
+                level=self.level, prev_digest=self._digests[n][ci] if base is not None else None,
+                update_base=cur, hot=self._hot.chunk((n, ci), cur) if base is not None else None,
+            )
+
+        def task(specs: list[tuple[str, int, int, int]]) -> list[EncodedChunk]:
+            return [job(*spec) for spec in specs]
+
+        def submit_next() -> bool:
+            specs = next(it, None)
+            if specs is None:
+                return False
+            window.append((specs, cpu.submit(task, specs)))
+            return True
+
+        for _ in range(2 * self.threads):
+            if not submit_next():
+                break
+        while window:
+            specs, fut = window.popleft()
+            results = fut.result()
+            submit_next()
+            for (n, ci, s, e), res in zip(specs, results):
+                entry = ChunkEntry(res.digest)
+                if res.key is not None:
+                    entry.k = kshards.add(res.key)
+                if res.delta is not None:
+                    entry.d = dshards.add(res.delta)
+                entries[n].append(entry)
+                changed += res.changed
+                total += e - s
+            while len(pending) > 2 * self.io_threads:
+                pending.popleft().result()
+        return entries, changed, total
+
+    def _manifest(
+        self,
+        version: int,
+        is_key: bool,
+        has_base: bool,
+        names: list[str],
+        sig: list[tuple[str, str, tuple[int, ...]]],
+        tensors: dict[str, "torch.Tensor"],
+        entries: dict[str, list[ChunkEntry]],
+        key_shards: int,
+        delta_shards: list[str],
+        file_digests: dict[str, str],
+        meta: dict[str, Any] | None,
+        tail: bytes,
+    ) -> Manifest:
+        """The manifest of ``version``: keyframe shards first, then delta shards, whose indices in
+        ``entries`` (per kind) are shifted to index the manifest's one list of shards."""
+        shard_names = [f"k-{i:04d}.bin" for i in range(key_shards)]
+        man = Manifest(
+            version=version,
+            keyframe=is_key,
+            base=(version - 1) if has_base else None,
+            chunk_bytes=self.chunk_bytes,
+            shards=shard_names + delta_shards,
+            tensors=[
+                TensorEntry(n, s[1], list(s[2]), int(tensors[n].element_size() * tensors[n].numel()),
+                            tensor_digest([c.h for c in entries[n]]), entries[n])
+                for n, s in zip(names, sig)
+            ],
+            files=file_digests,
+            meta=dict(meta or {}),
+            tail=tail,
+        )
+        for t in man.tensors:
+            for c in t.chunks:
+                if c.d is not None:
+                    c.d = [c.d[0] + key_shards, c.d[1], c.d[2]]
+        return man
 
     def _put_files(self, files: dict[str, bytes]) -> tuple[dict[str, str], int]:
         out: dict[str, str] = {}

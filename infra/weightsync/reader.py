@@ -14,26 +14,25 @@ wrong base (:class:`WrongBase`) from corrupt data (:class:`CorruptData`); chunks
 are verified against the target at the end. A failure in one path (missing, truncated or
 corrupted object, wrong base) is recorded in ``last_errors`` and the next path is tried (one version
 behind, path 1 runs before any listing: see :meth:`VersionReader._next_version`); with
-``strict=True`` the first error is raised instead. When no path reaches the newest version and no explicit target was given, the
-newest intact keyframe is returned (its version is the second element of the result).
+``strict=True`` the first error is raised instead. When no path reaches the newest version and no
+explicit target was given, the newest intact keyframe is returned (its version is the second
+element of the result).
 
-Pipeline and memory bound: frames are fetched as byte ranges of shards (adjacent frames merged up
-to ``range_bytes``, default 8 MiB; ranged GETs in parallel on ``io_threads``), at most
-``budget_bytes`` (default 256 MiB) of downloaded-but-not-yet-applied data at a time; a range is
-decoded by ``threads`` workers as soon as it arrives and all earlier versions are applied. Peak
-memory is the output tensors (one model; none extra with ``inplace=True``) + ``budget_bytes`` +
-per worker about three chunk sizes (4 MiB chunks) of decode temporaries.
+Pipeline and memory bound (:mod:`infra.weightsync.schedule`): frames are fetched as byte ranges of
+shards (adjacent frames merged up to ``range_bytes``, default 8 MiB; ranged GETs in parallel on
+``io_threads``), at most ``budget_bytes`` (default 256 MiB) of downloaded-but-not-yet-applied data
+at a time; a range is decoded by ``threads`` workers as soon as it arrives and all earlier versions
+are applied. Peak memory is the output tensors (one model; none extra with ``inplace=True``) +
+``budget_bytes`` + per worker about three chunk sizes (4 MiB chunks) of decode temporaries.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from queue import SimpleQueue
-from typing import TYPE_CHECKING, Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -48,16 +47,7 @@ from infra.weightsync.errors import (
     WeightSyncError,
     WrongBase,
 )
-from infra.weightsync.layout import (
-    TAIL_SHARD,
-    Manifest,
-    chunk_bounds,
-    digest,
-    files_key,
-    manifest_key,
-    scan_versions,
-    version_dir,
-)
+from infra.weightsync.layout import Manifest, TensorEntry, chunk_bounds, digest, files_key, manifest_key, scan_versions
 from infra.weightsync.pools import Pools, settle
 from infra.weightsync.rawbytes import (
     bytes_to_tensor,
@@ -67,6 +57,7 @@ from infra.weightsync.rawbytes import (
     word_dtype,
     word_width,
 )
+from infra.weightsync.schedule import DecodePipeline, Range, Step, plan_ranges
 from infra.weightsync.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -78,16 +69,6 @@ log = logging.getLogger(__name__)
 
 
 _PREFETCH = ThreadPoolExecutor(2, "ws-manifest")  # shared by readers: early manifest reads
-
-
-@dataclass
-class _Range:
-    step: int
-    key: str
-    start: int
-    length: int
-    frames: list[tuple[int, int, int, int]] = field(default_factory=list)  # tensor, chunk, rel off, len
-    inline: bool = False  # frames the manifest object carries (``TAIL_SHARD``): nothing to download
 
 
 class VersionReader:
@@ -303,54 +284,39 @@ class VersionReader:
         have_version: int | None,
         inplace: bool,
     ) -> dict[str, "torch.Tensor"]:
+        """Replay to ``goal``: the keyframe ``key`` (or the caller's tensors ``have`` at
+        ``have_version``), then the frames of ``deltas``, into new buffers (into ``have`` with
+        ``inplace``). Every decoded chunk is verified against its version's digest, every chunk no
+        frame touched against ``goal``'s."""
         start_v = key if key is not None else have_version
         assert start_v is not None
         start = self.manifest(start_v)
         final = self.manifest(goal)
-        sig = start.signature()
-        for v in deltas:
-            man = self.manifest(v)
-            if man.signature() != sig or man.chunk_bytes != start.chunk_bytes:
-                raise IncompatibleTensors("tensor layout differs from its base", version=v)
+        self._check_chain_layout(start, deltas)
         tensors = start.tensors
-        bounds = [
-            chunk_bounds(t.nbytes // word_width(dtype_from_name(t.dtype).itemsize),
-                         word_width(dtype_from_name(t.dtype).itemsize), start.chunk_bytes)
-            for t in tensors
-        ]
+        bounds = [_chunk_ranges(t.dtype, t.nbytes, start.chunk_bytes) for t in tensors]
         if have is not None:  # check the caller's tensors before anything is downloaded
-            names = [t.name for t in tensors]
-            if sorted(have) != sorted(names):
-                extra = sorted(set(have) ^ set(names))
-                raise IncompatibleTensors("tensor names differ from the base", version=start_v, tensor=extra[0])
-            for t in tensors:
-                h = have[t.name]
-                if dtype_name(h.dtype) != t.dtype or list(h.shape) != t.shape:
-                    raise IncompatibleTensors(
-                        f"have {dtype_name(h.dtype)}{list(h.shape)}, version has {t.dtype}{t.shape}",
-                        version=start_v, tensor=t.name,
-                    )
-        touched = [[False] * len(b) for b in bounds]
-        steps: list[tuple[int, str, Manifest]] = []
+            _check_have(have, tensors, start_v)
+        steps: list[Step] = []
         if key is not None:
             steps.append((key, "k", start))
         steps += [(v, "d", self.manifest(v)) for v in deltas]
-        ranges = self._ranges(steps)
+        ranges = plan_ranges(steps, self.prefix, self.range_bytes)
         self.last_stats = {"bytes_read": sum(r.length for r in ranges), "versions": [s[0] for s in steps]}
-        bufs: list[np.ndarray] = []
-        words: list[np.ndarray] = []
-        origs: list[np.ndarray] | None = None
+        touched = [[False] * len(b) for b in bounds]
+        bufs: list[np.ndarray] = []  # the output tensors' bytes, decoded into in place
+        words: list[np.ndarray] = []  # the same as words
+        origs: list[np.ndarray] = []  # the caller's tensors, when a copy of them is patched
 
         def prepare() -> None:
             """The buffers to decode into: run while the first ranges download (the copy of a
-            non-inplace fetch is a full model, ~20 ms on the 2-core VM)."""
-            nonlocal origs
+            non-inplace fetch is a full model, ~20 ms on a 2-core VM)."""
             if have is not None:
                 for t in tensors:
                     raw = tensor_bytes(have[t.name])
                     bufs.append(raw if inplace else raw.copy())
                 if not inplace:
-                    origs = [tensor_bytes(have[t.name]) for t in tensors]
+                    origs.extend(tensor_bytes(have[t.name]) for t in tensors)
             else:
                 bufs.extend(np.empty(t.nbytes, np.uint8) for t in tensors)
             words.extend(b.view(word_dtype(word_width(dtype_from_name(t.dtype).itemsize)))
@@ -367,7 +333,7 @@ class VersionReader:
             except Exception as exc:  # malformed frame or checksum mismatch
                 if first and kind == "d":  # was the base wrong? (checked only on failure: saves a pass)
                     base_h = self.manifest(v - 1).tensors[ti].chunks[ci].h
-                    if origs is not None:
+                    if origs:
                         orig = origs[ti].view(buf.dtype)[s:e]
                         if digest(orig) != base_h:
                             raise WrongBase(f"chunk {ci}: the tensors given are not version {v - 1}",
@@ -377,65 +343,49 @@ class VersionReader:
                 raise CorruptData(f"chunk {ci} ({kind} frame): {exc}", version=v, tensor=t.name) from exc
             touched[ti][ci] = True
 
-        self._schedule(steps, ranges, decode, prepare)
-        # chunks no delta touched still hold the caller's words: verify them against the goal
+        DecodePipeline(
+            ranges, len(steps), partial(self._download, steps=steps), decode, self._pools.get("get", self.io_threads),
+            self._pools.get("dec", self.threads), self.io_threads, self.threads, self.budget_bytes,
+        ).run(prepare)
+        self._verify_untouched(touched, bounds, words, final, have_version)
+        return _outputs(tensors, bufs, have, inplace)
+
+    def _check_chain_layout(self, start: Manifest, deltas: list[int]) -> None:
+        """Every delta version has the tensors and chunk size of the version replayed from."""
+        sig = start.signature()
+        for v in deltas:
+            man = self.manifest(v)
+            if man.signature() != sig or man.chunk_bytes != start.chunk_bytes:
+                raise IncompatibleTensors("tensor layout differs from its base", version=v)
+
+    def _verify_untouched(self, touched: list[list[bool]], bounds: list[list[tuple[int, int]]],
+                          words: list[np.ndarray], final: Manifest, have_version: int | None) -> None:
+        """Chunks no frame touched still hold the caller's words: check them against the goal."""
         untouched = [(ti, ci) for ti, row in enumerate(touched) for ci, done in enumerate(row) if not done]
-        if untouched:
-            def check(ti: int, ci: int) -> None:
-                s, e = bounds[ti][ci]
-                if digest(words[ti][s:e]) != final.tensors[ti].chunks[ci].h:
-                    raise WrongBase("the tensors given are not the claimed version", version=have_version,
-                                    tensor=tensors[ti].name)
+        if not untouched:
+            return
 
-            words_left = sum(bounds[ti][ci][1] - bounds[ti][ci][0] for ti, ci in untouched)
-            if words_left < (1 << 20):  # e.g. the norm weights an RL step leaves alone: cheaper than tasks
-                for ti, ci in untouched:
-                    check(ti, ci)
-            else:
-                pool = self._pools.get("dec", self.threads)
-                checks = [pool.submit(check, ti, ci) for ti, ci in untouched]
-                try:
-                    for f in checks:
-                        f.result()
-                finally:
-                    settle(checks)
-        out: dict[str, "torch.Tensor"] = {}
-        for t, b in zip(tensors, bufs):
-            if inplace and have is not None:
-                h = have[t.name]
-                if not (h.device.type == "cpu" and h.is_contiguous()):  # we patched a copy: write it back
-                    h.copy_(bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape)))
-                out[t.name] = h
-            else:
-                out[t.name] = bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape))
-        return out
+        def check(ti: int, ci: int) -> None:
+            s, e = bounds[ti][ci]
+            if digest(words[ti][s:e]) != final.tensors[ti].chunks[ci].h:
+                raise WrongBase("the tensors given are not the claimed version", version=have_version,
+                                tensor=final.tensors[ti].name)
 
-    def _ranges(self, steps: list[tuple[int, str, Manifest]]) -> list[_Range]:
-        """Byte ranges to download, in step order; adjacent frames of a shard merged."""
-        out: list[_Range] = []
-        for si, (v, kind, man) in enumerate(steps):
-            per_shard: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
-            for ti, t in enumerate(man.tensors):
-                for ci, c in enumerate(t.chunks):
-                    loc = c.k if kind == "k" else c.d
-                    if loc is None:
-                        if kind == "k":
-                            raise CorruptData(f"chunk {ci} has no keyframe frame", version=v, tensor=t.name)
-                        continue
-                    per_shard[loc[0]].append((loc[1], loc[2], ti, ci))
-            for shard, frames in sorted(per_shard.items()):
-                frames.sort()
-                cur: _Range | None = None
-                for off, ln, ti, ci in frames:
-                    if cur is None or off != cur.start + cur.length or cur.length + ln > self.range_bytes:
-                        name = man.shards[shard]
-                        cur = _Range(si, f"{version_dir(self.prefix, v)}/{name}", off, 0, inline=name == TAIL_SHARD)
-                        out.append(cur)
-                    cur.frames.append((ti, ci, off - cur.start, ln))
-                    cur.length += ln
-        return out
+        words_left = sum(bounds[ti][ci][1] - bounds[ti][ci][0] for ti, ci in untouched)
+        if words_left < (1 << 20):  # e.g. the norm weights an RL step leaves alone: cheaper than tasks
+            for ti, ci in untouched:
+                check(ti, ci)
+            return
+        pool = self._pools.get("dec", self.threads)
+        checks = [pool.submit(check, ti, ci) for ti, ci in untouched]
+        try:
+            for f in checks:
+                f.result()
+        finally:
+            settle(checks)
 
-    def _download(self, r: _Range, steps: list[tuple[int, str, Manifest]]) -> bytes:
+    def _download(self, r: Range, steps: list[Step]) -> bytes:
+        """The bytes of range ``r`` (from the manifest object for inline frames), checked for length."""
         v, _kind, man = steps[r.step]
         first = man.tensors[r.frames[0][0]].name
         if r.inline:  # frames that came with the manifest
@@ -453,117 +403,40 @@ class VersionReader:
                               version=v, tensor=first)
         return data
 
-    def _schedule(
-        self,
-        steps: list[tuple[int, str, Manifest]],
-        ranges: list[_Range],
-        decode: Callable[[int, int, int, memoryview], None],
-        prepare: Callable[[], None] | None = None,
-    ) -> None:
-        """Download ranges (bounded bytes in flight) and decode each once earlier steps are applied.
 
-        ``prepare`` runs once, after the first downloads are on their way and before any decode.
-        Frames the manifest carried are decoded right after it, without a trip through the download
-        threads (on a busy machine each hand-off between threads waits for the GIL).
+def _chunk_ranges(dtype: str, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Word ranges of the chunks of a tensor of ``dtype`` (a manifest dtype name) and ``nbytes``."""
+    width = word_width(dtype_from_name(dtype).itemsize)
+    return chunk_bounds(nbytes // width, width, chunk_bytes)
 
-        Completions arrive on one queue (futures' done-callbacks), so the loop does O(1) work per
-        finished download or decode. (``concurrent.futures.wait`` over every pending future costs
-        O(pending) per wake-up with the GIL held: at ~220 frames a fetch that was ~50 ms of the
-        scheduler's own Python, slowing the decode threads that need the GIL between kernels.)
-        """
-        pending = deque(ranges)
-        left_in_step = [0] * len(steps)
-        for r in ranges:
-            left_in_step[r.step] += len(r.frames)
-        left_in_range: dict[int, int] = {id(r): len(r.frames) for r in ranges}
-        parked: dict[int, list[tuple[_Range, bytes]]] = defaultdict(list)
-        events: SimpleQueue[tuple[str, _Range, Future, int]] = SimpleQueue()
-        started: list[Future] = []
-        downloading = outstanding = 0
-        used = 0
-        current = 0
-        error: BaseException | None = None
-        io = self._pools.get("get", self.io_threads)
-        cpu = self._pools.get("dec", self.threads)
-        try:
-            def track(kind: str, r: _Range, fut: Future, frames: int = 0) -> None:
-                nonlocal outstanding
-                outstanding += 1
-                started.append(fut)
-                fut.add_done_callback(lambda f: events.put((kind, r, f, frames)))
 
-            def decode_group(step: int, group: list[tuple[int, int, int, int]], mv: memoryview) -> None:
-                for ti, ci, off, ln in group:
-                    decode(step, ti, ci, mv[off : off + ln])
+def _check_have(have: dict[str, "torch.Tensor"], tensors: list[TensorEntry], version: int) -> None:
+    """The caller's tensors have the names, dtypes and shapes of ``version`` (else IncompatibleTensors)."""
+    names = [t.name for t in tensors]
+    if sorted(have) != sorted(names):
+        extra = sorted(set(have) ^ set(names))
+        raise IncompatibleTensors("tensor names differ from the base", version=version, tensor=extra[0])
+    for t in tensors:
+        h = have[t.name]
+        if dtype_name(h.dtype) != t.dtype or list(h.shape) != t.shape:
+            raise IncompatibleTensors(
+                f"have {dtype_name(h.dtype)}{list(h.shape)}, version has {t.dtype}{t.shape}",
+                version=version, tensor=t.name,
+            )
 
-            def dispatch(r: _Range, data: bytes) -> None:
-                # a few tasks per range, not one per frame: each task and completion costs the
-                # GIL-holding scheduler ~30 us (a delta range holds ~80 small frames)
-                mv = memoryview(data)
-                per = -(-len(r.frames) // (4 * self.threads))
-                for i in range(0, len(r.frames), per):
-                    group = r.frames[i : i + per]
-                    track("dec", r, cpu.submit(decode_group, r.step, group, mv), len(group))
 
-            def advance() -> None:
-                nonlocal current
-                while current < len(steps) and left_in_step[current] == 0:
-                    current += 1
-                    for r, data in parked.pop(current, []):
-                        dispatch(r, data)
-
-            advance()
-            ready: list[_Range] = []  # frames the manifest carried: no download, no thread hop
-            while error is None and (pending or outstanding):
-                while pending and downloading < 2 * self.io_threads and (
-                    used == 0 or used + pending[0].length <= self.budget_bytes
-                ):
-                    r = pending.popleft()
-                    used += r.length
-                    if r.inline:
-                        ready.append(r)
-                        continue
-                    downloading += 1
-                    track("get", r, io.submit(self._download, r, steps))
-                if prepare is not None:  # while the first ranges download
-                    prepare()
-                    prepare = None
-                for r in ready:  # decode them now, while the others download
-                    try:
-                        data = self._download(r, steps)
-                    except WeightSyncError as exc:
-                        error = exc
-                        break
-                    if r.step == current:
-                        dispatch(r, data)
-                    else:
-                        parked[r.step].append((r, data))
-                ready.clear()
-                if error is not None or not outstanding:
-                    continue
-                kind, r, f, nframes = events.get()
-                outstanding -= 1
-                exc = f.exception()
-                if kind == "get":
-                    downloading -= 1
-                    if exc is not None:
-                        error = exc
-                    elif r.step == current:
-                        dispatch(r, f.result())
-                    else:
-                        parked[r.step].append((r, f.result()))
-                    continue
-                if exc is not None:
-                    error = exc
-                    continue
-                left_in_range[id(r)] -= nframes
-                left_in_step[r.step] -= nframes
-                if left_in_range[id(r)] == 0:
-                    used -= r.length
-                advance()
-        finally:
-            settle(started)  # nothing left running that could still write into the buffers
-        if prepare is not None and error is None:  # nothing was downloaded
-            prepare()
-        if error is not None:
-            raise error
+def _outputs(tensors: list[TensorEntry], bufs: list[np.ndarray], have: dict[str, "torch.Tensor"] | None,
+             inplace: bool) -> dict[str, "torch.Tensor"]:
+    """The fetched tensors: views of ``bufs``, or with ``inplace`` the caller's own tensors (a
+    tensor that was patched through a copy, being on another device or not contiguous, is written
+    back)."""
+    out: dict[str, "torch.Tensor"] = {}
+    for t, b in zip(tensors, bufs):
+        if inplace and have is not None:
+            h = have[t.name]
+            if not (h.device.type == "cpu" and h.is_contiguous()):  # we patched a copy: write it back
+                h.copy_(bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape)))
+            out[t.name] = h
+        else:
+            out[t.name] = bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape))
+    return out
