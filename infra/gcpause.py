@@ -1,11 +1,11 @@
 """Keep Python's cyclic garbage collector out of latency-critical sections.
 
 Why: in a process that has imported torch, a full (generation-2) collection walks every object
-the libraries created at import — measured on the 2-core VM: 112 ms after ``import torch`` alone,
-150-240 ms in a rollout worker or the weight-sync benchmark (~300k objects). CPython starts one
-whenever enough container objects were allocated since the last, so it lands at random inside
-whatever runs: during a weight sync it held the GIL for ~160 ms while the ranged downloads and the
-decode threads waited (one sync in seven took 0.33-0.50 s instead of ~0.2 s).
+the libraries created at import — on a 2-core VM 112 ms after ``import torch`` alone, 150-240 ms
+in a rollout worker or the weight-sync benchmark (~300k objects). CPython starts one whenever
+enough container objects were allocated since the last, so it lands at random inside whatever
+runs: inside a weight sync it holds the GIL for ~160 ms while the ranged downloads and the decode
+threads wait (without this module one sync in seven took 0.33-0.50 s instead of ~0.2 s).
 
 :func:`deferred_gc` turns the collector off for the duration of a weight publish or fetch (a
 bounded section that makes no reference cycles worth collecting; reference counting still frees

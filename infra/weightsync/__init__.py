@@ -21,8 +21,9 @@ The package, in reading order (each module's docstring says what it does and why
 =======================  ===========================================================================
 ``publisher.py``         :class:`VersionPublisher`: encode chunks on a thread pool, upload shards
                          while encoding, write the manifest last
-``reader.py``            :class:`VersionReader`: pick a replay path, download byte ranges, decode
-                         and verify in a pipeline, fall back to older keyframes on a fault
+``reader.py``            :class:`VersionReader`: pick a replay path, check and verify every chunk,
+                         fall back to older keyframes on a fault
+``schedule.py``          the reader's pipeline: byte ranges downloaded and decoded in version order
 ``errors.py``            :class:`WeightSyncError` and its subclasses (each names version and tensor)
 ``layout.py``            object names, the manifest format, chunk bounds, version listing
 ``gc.py``                :func:`collect`: delete versions no reader path still needs

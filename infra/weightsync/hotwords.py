@@ -14,11 +14,12 @@ each change merges in the changed words (``O(hot + changed)``). A request for ``
 filters the list; a larger ``thr``, or a chunk without a list, scans once and keeps the result.
 Frames are byte-identical with and without the lists (tests compare them).
 
-Measured on the 2-core machine (SmolLM2-135M, lr 1e-6, one thread, all 285 chunks): encode
-128 -> 111 ms a version; in the publish-then-fetch loop ~10 ms of ~200 (paired runs). The decoder accepts
-the same source (``codec.decode_into(..., hot=)``), but :class:`VersionReader` does not keep lists:
-there the scan also brings each chunk into cache for the digest that follows, and without it the
-fetch measured no faster (the filter's gathers and the digest then wait on memory).
+On a 2-core VM (SmolLM2-135M, lr 1e-6, one thread, all 285 chunks) the kept lists make a
+version's encode 111 ms instead of 128 ms, ~10 ms of a ~200 ms publish-then-fetch (paired runs).
+The decoder accepts the same source (``codec.decode_into(..., hot=)``), but
+:class:`~infra.weightsync.reader.VersionReader` keeps no lists: there the scan also brings each
+chunk into cache for the digest that follows, and a reader with lists is no faster (the filter's
+gathers and the digest then wait on memory).
 
 Validity: a list describes the *content* of a chunk at one moment. The owner must call
 :meth:`ChunkHot.changed` after every change it makes through the codec, and :meth:`HotWords.clear`

@@ -20,7 +20,7 @@ The last, partly filled delta shard of a version is not a separate object: its f
 manifest object after the JSON (``DLM2`` + u32 length of the zstd JSON + zstd JSON + those frames;
 the shard is named ``@manifest`` in ``shards``). That saves the publisher one PUT round trip after
 its last chunk and gives the reader those frames with the manifest, to decode while the other
-shards download. A manifest without such frames is the plain zstd JSON of format 1, as before.
+shards download. A manifest that carries no frames is the plain zstd JSON (no ``DLM2`` header).
 """
 
 from __future__ import annotations

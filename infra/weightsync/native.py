@@ -1,11 +1,11 @@
 """C functions that numba kernels call directly: xxh3-128 (from the ``xxhash`` wheel) and zstd
 decompression (the system ``libzstd``), so a whole sparse-frame decode is one ``nogil`` call.
 
-Why: a frame decode used to be ~6 Python-level steps (positions kernel, zstd, values kernel,
-xxh3, compares), each dropping and retaking the GIL. With two decode threads the hand-offs
-serialised them: on the 2-core VM two threads decoded the model no faster than one (36 vs 32 ms;
-two *processes* each kept their one-thread speed), ~600 voluntary context switches a fetch. One
-native call per frame holds the GIL only to start it.
+Why: decoding a frame step by step takes ~6 Python-level calls (positions kernel, zstd, values
+kernel, xxh3, compares), each dropping and retaking the GIL. With two decode threads the hand-offs
+serialise them: on a 2-core VM two threads decoded the model no faster than one that way (36 vs
+32 ms, ~600 voluntary context switches a fetch; two *processes* each kept their one-thread speed).
+One native call per frame holds the GIL only to start it.
 
 The symbols are looked up at import (``XXH3_128bits_dispatch`` is the x86-64 build's runtime-
 dispatched AVX2/AVX-512 variant, as fast as ``xxhash.xxh3_128``; ``ZSTD_decompress`` from

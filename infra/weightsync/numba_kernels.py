@@ -141,11 +141,10 @@ def _hot_swar(b64: Any, per: int, lmask: Any, high: Any, tb: Any, hot: Any, h: i
     into no other lane and keeps a lane's top bit exactly when its magnitude >= threshold.
     2 KiB pieces are first reduced to a 64-bit mask of 32-byte blocks with a hit
     (:func:`_piece_hits`, vectorised); only those blocks are walked, with trailing-zero counts
-    (written out: with :func:`_emit_lanes` inlined here the walk compiled ~3x slower on dense
-    hot classes). Block size: at lr 1e-6 (~0.25% hot words, clustered) so many 128-byte blocks
-    held a hit that the scalar walk dominated; 32-byte blocks halve the whole scan (SmolLM2,
-    one core, cold caches: 73 -> 36 ms on the AMD EPYC; the 128-byte version had measured
-    45-53 -> 24-31 ms against a plain loop on the Xeon).
+    (written out: with :func:`_emit_lanes` inlined here the walk compiles ~3x slower on dense
+    hot classes). Block size: at lr 1e-6 (~0.25% hot words, clustered) most 128-byte blocks hold
+    a hit and the scalar walk dominates; 32-byte blocks halve the whole scan (SmolLM2, one core,
+    cold caches, AMD EPYC: 36 ms vs 73 ms with 128-byte blocks).
     """
     lane_bits = 64 // per
     m = b64.shape[0]

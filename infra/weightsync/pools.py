@@ -1,11 +1,11 @@
 """Thread pools kept by a publisher or reader across calls, and a safe way to abandon work on them.
 
-A publish or fetch used to open its own ``ThreadPoolExecutor`` s (encode, upload, download,
-decode) and shut them down at the end: up to ~16 thread starts and joins per sync. Each
-``Thread.start`` waits until the new thread runs, so on a busy 2-core machine that cost the
-caller's thread milliseconds exactly where latency matters (when the manifest arrives, the reader
-starts its download and decode pools). :class:`Pools` makes each pool once, on first use, and
-shuts them down when :meth:`Pools.close` is called or its owner is garbage-collected.
+Pools opened and shut down by every publish or fetch (encode, upload, download, decode) would
+cost up to ~16 thread starts and joins per sync. Each ``Thread.start`` waits until the new thread
+runs, so on a busy 2-core machine that costs the caller's thread milliseconds exactly where
+latency matters (when the manifest arrives, the reader starts its download and decode pools).
+:class:`Pools` makes each pool once, on first use, and shuts them down when :meth:`Pools.close` is
+called or its owner is garbage-collected.
 
 Work left on a shared pool after a failure must not outlive the call that started it (a decode
 still writing into buffers the caller gets back, an encode still updating the base):
