@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from infra.errors import DeltaloopError
-from infra.weightsync import kernels
 from infra.weightsync.codec import (
     DENSE_FRACTION,
     CodecName,
@@ -23,6 +22,7 @@ from infra.weightsync.codec import (
     sparse_frame,
 )
 from infra.weightsync.hotwords import MARGIN, ChunkHot
+from infra.weightsync.kernels import encode_sparse_update
 from infra.weightsync.layout import digest
 
 
@@ -82,11 +82,11 @@ def encode_chunk(
 def _encode_native(old: np.ndarray, new: np.ndarray, codec: CodecName, level: int, prev_digest: str | None,
                    hot: ChunkHot) -> tuple[bytes | None, str, int] | None:
     """``(delta frame, digest, changed)`` from one native call that also updates ``old`` (the
-    base) and its hot list (:func:`kernels.encode_sparse_update`); the same frame and state as the
-    step-by-step path. None when that call is not available or the chunk is dense (then the
-    caller compares codecs step by step; nothing was touched)."""
+    base) and its hot list (:func:`~infra.weightsync.kernels.encode_sparse_update`); the same
+    frame and state as the step-by-step path. None when that call is not available or the chunk
+    is dense (then the caller compares codecs step by step; nothing was touched)."""
     dense_max = len(new) if codec == "sparse" else int(DENSE_FRACTION * len(new))
-    got = kernels.encode_sparse_update(old, new, hot.entry(), MARGIN, dense_max)
+    got = encode_sparse_update(old, new, hot.entry(), MARGIN, dense_max)
     if got is None or got[0] == 2:
         return None
     status, changed, planes, positions, kept, looked, h = got
