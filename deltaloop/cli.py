@@ -42,6 +42,25 @@ def _user_error(exc: BaseException) -> bool:
     return mlflow_exceptions is not None and isinstance(exc, mlflow_exceptions.MlflowException)
 
 
+def _no_traceback_for_project_errors() -> None:
+    """Prefect logs a failed task or flow run with its traceback. A :class:`~infra.errors.DeltaloopError`
+    is a described failure that :func:`main` prints as one ``error:`` line, so its log records keep
+    their message and lose the traceback."""
+    import logging
+
+    class NoTraceback(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            from infra.errors import DeltaloopError
+
+            if record.exc_info and isinstance(record.exc_info[1], DeltaloopError):
+                record.exc_info = None
+                record.exc_text = None
+            return True
+
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logging.getLogger(name).addFilter(NoTraceback())
+
+
 def main() -> None:
     """Console entry point. ``DELTALOOP_DEBUG=1`` shows tracebacks of user-facing errors too."""
     import os
@@ -49,6 +68,8 @@ def main() -> None:
 
     set_defaults()
     _register()
+    if not os.environ.get("DELTALOOP_DEBUG"):
+        _no_traceback_for_project_errors()
     try:
         app()
     except Exception as exc:

@@ -153,3 +153,29 @@ def test_specs_carry_only_their_sections(tmp_path: Path, monkeypatch: pytest.Mon
         "seed", "model", "rollout", "weight_sync"}
     assert roll.config.rollout.threads == 3 and roll.port == 0
     assert TrainerSpec.read(spec.write(tmp_path / "t.json")) == spec
+
+
+def test_cli_logs_a_project_error_without_traceback() -> None:
+    """A service that could not start reaches the terminal as one line: Prefect's failure logs of a
+    DeltaloopError lose their traceback (other exceptions keep it)."""
+    import logging
+
+    from deltaloop.cli import _no_traceback_for_project_errors
+
+    _no_traceback_for_project_errors()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("prefect.task_runs")
+    logger.addHandler(handler)
+    try:
+        for exc in (ServiceStartError("rollout worker", "stopped: exit code 1\nOSError: [Errno 98] in use"),
+                    KeyError("bug")):
+            try:
+                raise exc
+            except Exception:
+                logger.error("Task run failed with exception: %r", exc, exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert records[0].exc_info is None and "Errno 98" in records[0].getMessage()
+    assert records[1].exc_info is not None
