@@ -133,3 +133,18 @@ def test_apply_failure_cleans_up(tmp_path: Path) -> None:
 
 def test_registered() -> None:
     assert isinstance(create_provider(_cfg()), KubernetesProvider)
+
+
+def test_service_runs_next_to_the_flow(tmp_path: Path) -> None:
+    """A single service (the rollout worker) gets no pod: it runs beside the flow, reached on loopback."""
+    import sys
+
+    from infra.proc import ServiceSpec
+
+    calls: list = []
+    apis = KubeApis(core=_FakeApi(calls), batch=_FakeApi(calls))
+    spec = ServiceSpec(name="svc", argv=[sys.executable, "-c", "print('up')"], log=str(tmp_path / "svc.log"))
+    handle = KubernetesProvider(_cfg(), apis).launch_service(spec)
+    handle.proc.wait(timeout=30)
+    assert handle.host == "127.0.0.1" and handle.poll() == 0 and not calls
+    assert (tmp_path / "svc.log").read_text().strip() == "up"
