@@ -150,25 +150,21 @@ def probe(disk_path: str, probe_mb: float = 4.0, iters: int = 5) -> HealthReport
         if rank not in (0, other):
             continue
         lat, bw = [], []
+        def exchange(out: "torch.Tensor") -> float:
+            """Rank 0 sends ``out`` to ``other`` and waits for a tiny ack; seconds taken."""
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(out, other)
+                dist.recv(tiny, other)
+            else:
+                dist.recv(out, 0)
+                dist.send(tiny, 0)
+            sync()
+            return time.perf_counter() - start
+
         for _ in range(iters + 1):  # first round warms up the connection
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(tiny, other)
-                dist.recv(tiny, other)
-            else:
-                dist.recv(tiny, 0)
-                dist.send(tiny, 0)
-            sync()
-            lat.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(big, other)
-                dist.recv(tiny, other)
-            else:
-                dist.recv(big, 0)
-                dist.send(tiny, 0)
-            sync()
-            bw.append(big.numel() * 4 / (time.perf_counter() - start) / 1e9)
+            lat.append(exchange(tiny))
+            bw.append(big.numel() * 4 / exchange(big) / 1e9)
         if rank == other:
             peer = {"latency_ms": statistics.median(lat[1:]) * 1e3, "bandwidth_gbps": statistics.median(bw[1:])}
     me.latency_ms = peer["latency_ms"]

@@ -34,6 +34,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+def check_request(prompt_ids: list[list[int]], n: int) -> None:
+    """The request rules every engine enforces: ``n >= 1`` and no empty prompt."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if any(not p for p in prompt_ids):
+        raise ValueError("every prompt must have at least one token")
+
+
+def encode_prompts(tokenizer: object, prompts: list[str]) -> list[list[int]]:
+    """Token ids of plain-text prompts, with the tokenizer's special tokens (bos) added."""
+    return tokenizer(list(prompts), add_special_tokens=True)["input_ids"]  # type: ignore[operator]
+
+
 @dataclass
 class Completion:
     """One sampled completion. ``logprobs[k]`` is log p(token_ids[k]) under the sampling

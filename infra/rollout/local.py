@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from infra.rollout.engine import Completion, SamplingParams
+from infra.rollout.engine import Completion, SamplingParams, check_request, encode_prompts
 
 if TYPE_CHECKING:
     import torch
@@ -143,15 +143,11 @@ class LocalEngine:
     # ------------------------------------------------------------------ public sampling API
     def generate(self, prompts: list[str], n: int, params: SamplingParams) -> list[Completion]:
         """``n`` completions per prompt, grouped by prompt."""
-        enc = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-        return self.generate_ids(enc, n, params)
+        return self.generate_ids(encode_prompts(self.tokenizer, prompts), n, params)
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         """Like :meth:`generate` for already tokenized prompts (e.g. a rendered chat template)."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if any(not p for p in prompt_ids):
-            raise ValueError("every prompt must have at least one token")
+        check_request(prompt_ids, n)
         stop_ids = self._stop_ids(params.stop)
         multi = tuple(s for s in params.stop if len(s) > 1)
         rows = [

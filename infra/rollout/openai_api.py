@@ -109,25 +109,37 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class _ChoiceBase(BaseModel):
+    """Fields every choice carries, completions and chat alike: OpenAI's ``index`` and
+    ``finish_reason`` plus the RL extension (the sampled token ids, their log-probs under the
+    serving policy, and the prompt's token ids), so a trainer can use the sample as is."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
     token_ids: list[int]
     token_logprobs: list[float]
     prompt_token_ids: list[int]
 
 
-class CompletionResponse(BaseModel):
+class _ResponseBase(BaseModel):
+    """Fields every response carries, plus ``weight_version``: the policy version that sampled it."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage
     system_fingerprint: str
     weight_version: int
+
+
+class CompletionChoice(_ChoiceBase):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(_ResponseBase):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TokenLogprob(BaseModel):
@@ -146,25 +158,14 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_ChoiceBase):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
-    token_ids: list[int]
-    token_logprobs: list[float]
-    prompt_token_ids: list[int]
 
 
-class ChatResponse(BaseModel):
-    id: str
+class ChatResponse(_ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str
-    weight_version: int
 
 
 class APIError(DeltaloopError):

@@ -25,7 +25,7 @@ import tempfile
 import threading
 from typing import Any
 
-from infra.rollout.engine import Completion, SamplingParams
+from infra.rollout.engine import Completion, SamplingParams, check_request, encode_prompts
 from infra.rollout.local import row_seed
 
 
@@ -74,15 +74,13 @@ class VLLMEngine:
     # ------------------------------------------------------------------ sampling
     def generate(self, prompts: list[str], n: int, params: SamplingParams) -> list[Completion]:
         """``n`` completions per prompt, grouped by prompt."""
-        enc = self.tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-        return self.generate_ids(enc, n, params)
+        return self.generate_ids(encode_prompts(self.tokenizer, prompts), n, params)
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         """Like :meth:`generate` for token-id prompts."""
         from vllm import SamplingParams as VSP
 
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        check_request(prompt_ids, n)
         reqs, sps, index = [], [], []
         for i, ids in enumerate(prompt_ids):
             for j in range(n):

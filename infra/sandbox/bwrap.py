@@ -23,7 +23,7 @@ import subprocess
 from typing import Any
 
 from infra.config import SandboxConfig
-from infra.sandbox.handle import PipeTransport, RunnerHandle
+from infra.sandbox.handle import PipeTransport, RunnerHandle, start_runner
 from infra.sandbox.protocol import runner_argv
 from infra.sandbox.types import SandboxError, SandboxUnusable
 
@@ -102,13 +102,10 @@ class BwrapRuntime:
     def spawn(self) -> RunnerHandle:
         """Start one warm sandbox and wait until its runner is ready."""
         transport = PipeTransport(bwrap_argv(self.cfg), env={"PATH": "/usr/bin:/bin"}, user=_host_user(self.cfg))
-        handle = RunnerHandle(transport, f"bwrap-{os.getpid()}-{next(_ids)}")
         try:
-            handle.wait_ready(self.cfg.start_timeout_s)
+            return start_runner(transport, f"bwrap-{os.getpid()}-{next(_ids)}", self.cfg.start_timeout_s)
         except Exception as exc:
-            handle.close()
             raise SandboxError(f"bwrap sandbox did not start: {exc}") from exc
-        return handle
 
     def naive(self, job: dict[str, Any]) -> dict[str, Any]:
         """Run one job in a brand-new bwrap sandbox (the no-pool baseline)."""

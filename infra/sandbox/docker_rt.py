@@ -26,7 +26,7 @@ from typing import Any
 
 from infra.config import SandboxConfig
 from infra.lifeline import pid_alive
-from infra.sandbox.handle import RunnerHandle
+from infra.sandbox.handle import RunnerHandle, start_runner
 from infra.sandbox.protocol import runner_argv
 from infra.sandbox.types import SandboxError, SandboxUnusable
 
@@ -208,12 +208,7 @@ class DockerRuntime:
                 sock = container.attach_socket(params={"stdin": 1, "stdout": 1, "stream": 1})
                 container.start()
                 transport = DockerTransport(container, sock)
-                handle = RunnerHandle(transport, f"docker-{container.short_id}", host=url)
-                try:
-                    handle.wait_ready(self.cfg.start_timeout_s)
-                except Exception:
-                    handle.close()
-                    raise
+                handle = start_runner(transport, f"docker-{container.short_id}", self.cfg.start_timeout_s, host=url)
                 with self._lock:
                     self.live[url] += 1
                 _wrap_close(handle, self, url)

@@ -102,6 +102,18 @@ class RunnerHandle:
         self.transport.kill()
 
 
+def start_runner(transport: Transport, sandbox_id: str, timeout: float, host: str = "local") -> RunnerHandle:
+    """Wrap a freshly spawned runner in a handle and wait for its ready line; on any failure the
+    sandbox is killed before the error propagates (no half-started sandbox is left behind)."""
+    handle = RunnerHandle(transport, sandbox_id, host=host)
+    try:
+        handle.wait_ready(timeout)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
 class _Spawner:
     """One long-lived thread that forks every sandbox process.
 

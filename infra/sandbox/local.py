@@ -20,7 +20,7 @@ import warnings
 from typing import Any
 
 from infra.config import SandboxConfig
-from infra.sandbox.handle import PipeTransport, RunnerHandle
+from infra.sandbox.handle import PipeTransport, RunnerHandle, start_runner
 from infra.sandbox.protocol import runner_argv
 from infra.sandbox.types import SandboxError, SandboxUnusable
 
@@ -64,13 +64,10 @@ class LocalRuntime:
         os.makedirs(scratch, mode=0o700)
         env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"}
         transport = PipeTransport(runner_argv(self.python, "--runner", self._opts(scratch)), env=env)
-        handle = RunnerHandle(transport, f"local-{os.getpid()}-{n}")
         try:
-            handle.wait_ready(self.cfg.start_timeout_s)
+            return start_runner(transport, f"local-{os.getpid()}-{n}", self.cfg.start_timeout_s)
         except Exception as exc:
-            handle.close()
             raise SandboxError(f"local runner did not start: {exc}") from exc
-        return handle
 
     def naive(self, job: dict[str, Any]) -> dict[str, Any]:
         """One job in a fresh local process."""
