@@ -16,6 +16,7 @@ demo: setup
 	.venv/bin/deltaloop run configs/demo.yaml
 
 test: services
+	.venv/bin/lint-imports
 	.venv/bin/python -m pytest -q tests
 
 test-fast: setup
