@@ -56,7 +56,7 @@ def demo_model(quick: bool) -> tuple[Any, Any, list[str]]:
 
     import torch
 
-    from deltaloop.env import state_dir
+    from infra.process_env import state_dir
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml")
     model, tok = load_policy(cfg.model, seed=cfg.seed)
@@ -166,7 +166,7 @@ def async_section(quick: bool) -> dict[str, Any]:
 
 def run(json_path: Path, quick: bool) -> dict[str, Any]:
     """Run the benchmark, print a table, write JSON to ``json_path``; returns the result."""
-    from deltaloop.env import set_defaults
+    from infra.process_env import set_defaults
 
     set_defaults()
     import torch

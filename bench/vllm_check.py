@@ -48,7 +48,7 @@ def check(quick: bool = True, smollm2: bool = False) -> dict[str, Any]:
     """Run the checks; returns the report (``ok`` is the verdict)."""
     import torch
 
-    from deltaloop.env import set_defaults
+    from infra.process_env import set_defaults
 
     set_defaults()
     from evals.funcfit import train_batch

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from deltaloop.env import set_defaults
+from infra.process_env import set_defaults
 
 app = typer.Typer(
     name="deltaloop",

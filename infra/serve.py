@@ -35,6 +35,7 @@ from typing import Callable
 from infra.errors import DeltaloopError
 from infra.proc import (ServiceDied, ServiceProcess, ServiceSpec, bind_socket, describe_exit, free_port,
                         http_probe, port_in_use, spawn, wait_until)
+from infra.process_env import state_dir
 
 POOL = "deltaloop-process"
 MLFLOW_UI_ENV = "DELTALOOP_MLFLOW_UI_URL"
@@ -90,7 +91,7 @@ class Stack:
         self.say = say
         self.procs: dict[str, ServiceProcess] = {}
         self.urls: dict[str, str] = {}
-        state = opts.state_dir or Path(os.environ.get("DELTALOOP_STATE", ".state")) / "serve"
+        state = opts.state_dir or state_dir() / "serve"
         self.state_dir = Path(state).resolve()
         self.log_dir = self.state_dir / "logs"
         self.project_dir = Path(opts.project_dir).resolve()

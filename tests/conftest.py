@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("DELTALOOP_STATE", ROOT / ".state"))
 os.environ.setdefault("DELTALOOP_STATE", str(STATE))
-from deltaloop.env import set_defaults  # noqa: E402
+from infra.process_env import set_defaults  # noqa: E402
 
 set_defaults()
 
