@@ -22,6 +22,7 @@ class TokenBucket:
         self.lock = threading.Lock()
 
     def take(self, n: int) -> None:
+        """Block until ``n`` bytes may pass, then spend them."""
         while True:
             with self.lock:
                 now = time.monotonic()
@@ -51,13 +52,16 @@ class ThrottleProxy:
 
     @property
     def url(self) -> str:
+        """The proxy's endpoint (what a client connects to instead of the server)."""
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "ThrottleProxy":
+        """Start accepting connections; returns self."""
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop accepting connections (open ones end with their peers)."""
         self._stop.set()
         try:
             self._srv.close()

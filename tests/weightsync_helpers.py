@@ -25,11 +25,13 @@ class Drift:
         self.extra = {"step": torch.tensor(0, dtype=torch.int64), "mask": torch.zeros(5, dtype=torch.bool)}
 
     def step(self, lr: float = 2e-5) -> None:
+        """One update: every master weight moves by ±lr."""
         for v in self.master.values():
             v.add_(lr * torch.sign(torch.randn(v.shape, generator=self.g)))
         self.extra["step"] += 1
 
     def bf16(self) -> dict[str, torch.Tensor]:
+        """The tensors to sync: bf16 casts of the masters, plus an int64 and a bool tensor."""
         out = {k: v.to(torch.bfloat16) for k, v in self.master.items()}
         out.update({k: v.clone() for k, v in self.extra.items()})
         return out

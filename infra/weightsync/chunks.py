@@ -28,6 +28,8 @@ from infra.weightsync.layout import digest
 
 @dataclass
 class EncodedChunk:
+    """What :func:`encode_chunk` produced for one chunk."""
+
     key: bytes | None  # keyframe frame (keyframe versions only)
     delta: bytes | None  # delta frame; None when the chunk did not change (or no base)
     digest: str  # xxh3-128 of the new words

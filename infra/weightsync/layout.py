@@ -60,10 +60,12 @@ def version_dir(prefix: str, version: int) -> str:
 
 
 def manifest_key(prefix: str, version: int) -> str:
+    """``P/v00000007/manifest.json.zst``: the object whose existence commits the version."""
     return f"{version_dir(prefix, version)}/{MANIFEST}"
 
 
 def files_key(prefix: str, digest: str) -> str:
+    """``P/files/<digest>``: a side file, stored once by content."""
     return f"{prefix.strip('/')}/files/{digest}"
 
 
@@ -106,6 +108,7 @@ class ChunkEntry:
     d: list | None = None  # [shard, offset, length] of the delta frame; None = unchanged
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON for this chunk (absent frames are left out)."""
         out: dict[str, Any] = {"h": self.h}
         if self.k is not None:
             out["k"] = self.k
@@ -116,6 +119,8 @@ class ChunkEntry:
 
 @dataclass
 class TensorEntry:
+    """One tensor in one version: layout, byte size, digest (over the chunk digests), chunks."""
+
     name: str
     dtype: str
     shape: list[int]
@@ -126,6 +131,8 @@ class TensorEntry:
 
 @dataclass
 class Manifest:
+    """Everything a reader needs to know about one version (see the module docstring)."""
+
     version: int
     keyframe: bool
     base: int | None  # version the delta frames are against (None: keyframe only)
@@ -137,6 +144,8 @@ class Manifest:
     tail: bytes = b""  # frames of the ``TAIL_SHARD`` shard, stored after the JSON in the same object
 
     def to_bytes(self) -> bytes:
+        """The manifest object: zstd JSON, preceded by ``DLM2`` + length and followed by the
+        carried frames when there are any."""
         doc = {
             "format": FORMAT,
             "version": self.version,
@@ -165,6 +174,7 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes, version: int) -> "Manifest":
+        """Parse a manifest object of ``version``; raises :class:`ManifestError` when unreadable."""
         tail = b""
         if data[:4] == _TAIL_MAGIC:
             head = 4 + _TAIL_LEN.size

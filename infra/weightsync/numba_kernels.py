@@ -99,6 +99,8 @@ def changed64(o: Any, n: Any, per: int, high: Any, out: Any) -> int:  # pragma: 
 
 @_jit
 def changed_plain(o: Any, n: Any, out: Any) -> int:  # pragma: no cover
+    """Changed words, one word at a time (8-byte words, or lengths the SWAR compare cannot take);
+    returns the count written to ``out``, or -1 if ``out`` is full."""
     k = 0
     for i in range(o.shape[0]):
         if o[i] != n[i]:
@@ -271,6 +273,8 @@ def _slots(keys: Any) -> Any:  # pragma: no cover
 
 @_jit
 def values(old: Any, new: Any, idx: Any, w: int, kshift: int, kmask: int, full: Any) -> Any:  # pragma: no cover
+    """``(planes, base words, zigzag values, exponent keys)`` of the changed words ``idx``: the
+    value stream before zstd, ordered by key with a counting sort (the stable order of numpy's)."""
     m = idx.shape[0]
     bits = 8 * w
     sb = np.uint64(bits - 1)
@@ -298,6 +302,7 @@ def values(old: Any, new: Any, idx: Any, w: int, kshift: int, kmask: int, full: 
 
 @_jit
 def apply(buf: Any, idx: Any, planes: Any, w: int, kshift: int, kmask: int, full: Any) -> None:  # pragma: no cover
+    """``buf[idx] += unzigzag(values)`` modulo 2**(8w), the values un-ordered from ``planes``."""
     m = idx.shape[0]
     keys = np.empty(m, np.int64)
     for i in range(m):
@@ -535,6 +540,7 @@ def split_threshold(zz: Any, keys: Any) -> int:  # pragma: no cover
 
 @_jit
 def positions_plain(idx: Any) -> Any:  # pragma: no cover
+    """The plain position stream of ``idx``: mode byte 0, then rice(idx)."""
     out = np.zeros(1 + _rice_size(idx), np.uint8)
     _rice_write(idx, out, 1)
     return out
@@ -596,6 +602,8 @@ def positions_hot(idx: Any, hot: Any, thr: Any, n: int) -> Any:  # pragma: no co
 
 @_jit
 def decode_positions(body: Any, buf: Any, magmask: Any) -> Any:  # pragma: no cover
+    """(positions, bytes used) of a position stream of either mode; the split mode scans the hot
+    class of ``buf`` (the base words) for the threshold in its header."""
     n = buf.shape[0]
     if body.shape[0] < 1:
         raise ValueError("position stream truncated")
