@@ -24,11 +24,13 @@ What is measured, per learning rate (1e-6, 3e-6, 1e-5):
   trainer and rollout worker processes do, :mod:`infra.gcpause`): otherwise a full garbage
   collection between ``publish`` and ``fetch`` walks torch's import-time objects inside the timed
   window (150-190 ms on the 2-core VM, in one sample of seven).
+
+The end-to-end setting is kinder than a run's: ``keyframe_every=1000`` (no keyframe among the timed
+syncs), one reader, and a link that limits bandwidth but adds no latency; its speedup is an upper
+bound (``docs/weightsync.md``, "Measured").
 """
 
 from __future__ import annotations
-
-from bench.machine import cpu_model, load_avg
 
 import json
 import math
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.machine import cpu_model, load_avg
 
 LRS = (1e-6, 3e-6, 1e-5)
 LINK_BYTES_PER_S = 50e6
