@@ -403,6 +403,20 @@ class Runner:
             return ("X", pid, status)
         return None
 
+    def _recv_zmsgs(self):
+        """Read what the zygote sent (one recv) and return the complete messages in it, or None
+        when the zygote closed its socket."""
+        data = self.zsock.recv(64)
+        if not data:
+            return None
+        self.zbuf += data
+        msgs = []
+        msg = self._zmsg()
+        while msg is not None:
+            msgs.append(msg)
+            msg = self._zmsg()
+        return msgs
+
     # process hygiene
     def _reap(self):
         """Reap every exited child/orphan without blocking; note if the zygote died."""
@@ -537,19 +551,16 @@ class Runner:
                 continue
             for fd in ready:
                 if fd == zfd:
-                    data = self.zsock.recv(64)
-                    if not data:
+                    msgs = self._recv_zmsgs()
+                    if msgs is None:
                         reply["anomaly"] = "zygote died"
                         status = -1
                         break
-                    self.zbuf += data
-                    msg = self._zmsg()
-                    while msg is not None:
-                        if msg[0] == "P":
-                            wpid = msg[1]
+                    for kind, pid, st in msgs:
+                        if kind == "P":
+                            wpid = pid
                         else:
-                            status, t_exit = msg[2], time.monotonic()
-                        msg = self._zmsg()
+                            status, t_exit = st, time.monotonic()
                     continue
                 data = os.read(fd, _READ)
                 if not data:
@@ -580,15 +591,12 @@ class Runner:
             ready, _, _ = select.select([zfd], [], [], max(0.0, end - time.monotonic()))
             if not ready:
                 break
-            data = self.zsock.recv(64)
-            if not data:
+            msgs = self._recv_zmsgs()
+            if msgs is None:
                 break
-            self.zbuf += data
-            msg = self._zmsg()
-            while msg is not None:
-                if msg[0] == "X":
-                    status = msg[2]
-                msg = self._zmsg()
+            for kind, _, st in msgs:
+                if kind == "X":
+                    status = st
         return status
 
     def _clean_up(self, reply):
