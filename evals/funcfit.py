@@ -15,9 +15,9 @@ answer solves ~15% while one of 8 samples solves ~50% — a choice that RL sharp
 
 Train/eval split: a function is in the eval split iff a hash of its shown values falls in the
 bottom ``EVAL_FRACTION`` (so equal functions of different families share a split); train batches
-reject eval functions, so the splits are disjoint by construction and independent of seeds. ``score_locally`` evaluates model output with
-``eval`` and exists ONLY for unit tests and ``bench/learn_probe.py``; the pipeline must score
-through :func:`to_verify_request` and the sandbox pool.
+reject eval functions, so the splits are disjoint by construction and independent of seeds.
+``score_locally`` evaluates model output with ``eval`` and exists ONLY for unit tests; the pipeline
+must score through :func:`to_verify_request` and the sandbox pool.
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ def to_verify_request(problem: Problem, completion: str, timeout_s: float | None
 
 
 def score_locally(problem: Problem, completion: str) -> float:
-    """Reward computed in-process. TESTS AND ``bench/learn_probe.py`` ONLY: it ``eval``s model output,
-    restricted to arithmetic characters; the pipeline scores in sandboxes."""
+    """Reward computed in-process. TESTS ONLY: it ``eval``s model output, restricted to arithmetic
+    characters; the pipeline scores in sandboxes."""
     expr = extract_expression(completion)
     if not expr or not _EXPR_CHARS.match(expr) or "**" in expr or len(expr) > 64:
         return 0.0
