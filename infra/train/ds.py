@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.train.optim import make_optimizer
+from infra.train.optim import make_optimizer, set_lr
 
 if TYPE_CHECKING:
     import torch
@@ -99,8 +99,7 @@ class DeepSpeedEngine:
         return contextlib.nullcontext()  # DeepSpeed casts the module itself under bf16
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def backward(self, loss: "torch.Tensor") -> None:
         self.engine.backward(loss, scale_wrt_gas=False)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from infra.backends import Registry
-from infra.train.optim import make_optimizer
+from infra.train.optim import make_optimizer, set_lr
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,7 @@ class TorchEngine:
         return torch.autocast(device_type=dev, dtype=torch.bfloat16)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def backward(self, loss: "torch.Tensor") -> None:
         loss.backward()

@@ -15,7 +15,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from infra.train.optim import make_optimizer
+from infra.train.optim import make_optimizer, set_lr
 
 if TYPE_CHECKING:
     import torch
@@ -49,8 +49,7 @@ class FSDPEngine:
         return contextlib.nullcontext()
 
     def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(self.optimizer, lr)
 
     def backward(self, loss: "torch.Tensor") -> None:
         loss.backward()

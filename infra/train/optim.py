@@ -22,3 +22,9 @@ def make_optimizer(params: Any, tcfg: "TrainerConfig") -> "torch.optim.Optimizer
     import torch
 
     return torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=ADAM_BETAS)
+
+
+def set_lr(optimizer: "torch.optim.Optimizer", lr: float) -> None:
+    """Set the learning rate of every parameter group (the schedule is applied per step)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
