@@ -27,23 +27,32 @@ def _pyplot() -> Any:
     return plt
 
 
+def _split(history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The history's step rows and eval rows."""
+    return [h for h in history if h.get("kind") == "step"], [h for h in history if h.get("kind") == "eval"]
+
+
+def _save(plt: Any, fig: Any, axes: Any, path: str | Path, dpi: int) -> Path:
+    """Label every panel's x axis as the step, lay out, write ``path`` and free the figure."""
+    for a in axes:
+        a.set_xlabel("step"); a.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
 def plot_curves(history: list[dict[str, Any]], path: str | Path) -> Path:
     """Write a 1x2 PNG (reward per step; eval score and all-tests-pass per evaluation) to ``path``."""
     plt = _pyplot()
-    steps = [h for h in history if h.get("kind") == "step"]
-    evals = [h for h in history if h.get("kind") == "eval"]
+    steps, evals = _split(history)
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
     x, y = _xy(steps, "reward_mean")
     ax[0].plot(x, y, marker=".", label="train reward")
     ax[0].set_ylabel("mean reward"); ax[0].set_title("rollout reward")
     _eval_panel(ax[1], evals)
-    for a in ax:
-        a.set_xlabel("step"); a.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, ax, path, dpi=110)
 
 
 def _eval_panel(ax: Any, evals: list[dict[str, Any]]) -> None:
@@ -58,8 +67,7 @@ def _eval_panel(ax: Any, evals: list[dict[str, Any]]) -> None:
 def plot_operations(history: list[dict[str, Any]], path: str | Path) -> Path:
     """Write a 2x2 PNG (reward ± std, KL, eval score/accuracy, sync bytes vs full) to ``path``."""
     plt = _pyplot()
-    steps = [h for h in history if h.get("kind") == "step"]
-    evals = [h for h in history if h.get("kind") == "eval"]
+    steps, evals = _split(history)
     fig, ax = plt.subplots(2, 2, figsize=(10, 6.4))
     x, y = _xy(steps, "reward_mean")
     _, sd = _xy(steps, "reward_std")
@@ -78,10 +86,4 @@ def plot_operations(history: list[dict[str, Any]], path: str | Path) -> Path:
         ax[1, 1].plot(xr, yr, color="gray", linestyle="--", label="full bf16 snapshot")
         ax[1, 1].set_yscale("log")
     ax[1, 1].set_title("weight sync bytes"); ax[1, 1].legend()
-    for a in ax.flat:
-        a.set_xlabel("step"); a.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, ax.flat, path, dpi=100)
