@@ -26,12 +26,13 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from infra.envspec import FUNCFIT_FAMILIES, check_families
 
 if TYPE_CHECKING:  # the sandbox package is imported lazily at call time
-    from infra.sandbox import VerifyRequest
+    from evals.env import Item, Score
+    from infra.sandbox import SandboxPool, VerifyRequest
 
 SHOWN_X: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
 HIDDEN_X_START = 6
@@ -228,3 +229,60 @@ def score_locally(problem: Problem, completion: str) -> float:
             continue
         passed += int(got == y)
     return passed / len(problem.hidden)
+
+
+class FuncfitEnv:
+    """funcfit as an :class:`~evals.env.Environment`: items carry their hidden tests, scored in the sandbox pool.
+
+    Prompts are the bare value list (``"3,5,7,9,11,13="``) and sampling stops at a newline; a chat
+    model gets the prompt as its user message with :data:`SYSTEM_PROMPT`."""
+
+    name = "funcfit"
+    needs_sandbox = True
+    SYSTEM_PROMPT = "Answer with one Python expression in x that gives these values of f at x=0..5."
+
+    def __init__(self, seed: int = 1234, hidden_tests: int = 6,
+                 families: "tuple[str, ...] | list[str] | None" = None, stop: tuple[str, ...] = ("\n",),
+                 system_prompt: str | None = None) -> None:
+        self.seed, self.hidden_tests, self.families = seed, hidden_tests, check_families(families)
+        self.stop = tuple(stop)
+        self.system_prompt = self.SYSTEM_PROMPT if system_prompt is None else system_prompt
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "FuncfitEnv":
+        """From an ``env`` config section of type funcfit (:class:`infra.config.FuncfitEnvConfig`)."""
+        return cls(cfg.seed, cfg.hidden_tests, cfg.families, tuple(cfg.stop) if cfg.stop is not None else ("\n",),
+                   cfg.system_prompt)
+
+    @staticmethod
+    def to_item(p: Problem) -> "Item":
+        """The environment item of a problem: hidden tests in ``data``, the family as its group."""
+        from evals.env import Item
+
+        return Item(id=p.id, prompt=p.prompt, answer=p.solution, group=p.family, data={"hidden": p.hidden})
+
+    def train_items(self, step: int, n: int) -> "list[Item]":
+        """``n`` fresh training functions for ``step`` (never held-out ones)."""
+        return [self.to_item(p) for p in train_batch(self.seed, step, n, self.hidden_tests, self.families)]
+
+    def heldout_items(self, n: int) -> "list[Item]":
+        """The first ``n`` held-out functions."""
+        return [self.to_item(p) for p in eval_set(self.seed, n, self.hidden_tests, self.families)]
+
+    def sft_examples(self, seed: int, n: int) -> list[tuple[str, str]]:
+        """Warm-start (prompt, solution) pairs from the train split."""
+        return sft_examples(seed, n, self.hidden_tests, self.families)
+
+    def score(self, items: "Sequence[Item]", completions: "Sequence[str]",
+              pool: "SandboxPool | None") -> "list[Score]":
+        """Each completion's expression on the item's hidden points, in the sandbox pool."""
+        from evals.env import Score, check_batch, need_pool
+        from infra.sandbox import TestCase, VerifyRequest
+
+        check_batch(items, completions)
+        sandbox = need_pool(self.name, pool)
+        reqs = [VerifyRequest(program=to_program(extract_expression(c)), entry="f",
+                              tests=[TestCase(args=[x], expected=y) for x, y in it.data["hidden"]])
+                for it, c in zip(items, completions)]
+        results = sandbox.verify_many(reqs, dedupe=sandbox.cfg.dedupe)
+        return [Score(float(r.reward), r.reward >= 1.0, r.reason) for r in results]

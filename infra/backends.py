@@ -29,11 +29,14 @@ Factory = Union[Callable[..., T], str]
 
 
 def _resolve(ref: str) -> Callable[..., Any]:
-    """Import ``"package.module:attr"`` and return the attribute."""
+    """Import ``"package.module:attr"`` and return the attribute (``attr`` may be dotted: ``Class.method``)."""
     module, sep, attr = ref.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"backend reference {ref!r} must look like 'package.module:attr'")
-    return getattr(importlib.import_module(module), attr)
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 class Registry(Generic[T]):

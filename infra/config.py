@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from infra.configs.base import Strict
 from infra.configs.cluster import ClusterConfig, HealthConfig, HostSpec, KubernetesConfig, select_hosts
-from infra.configs.model import EnvConfig, ModelConfig, TinyModelConfig, WarmstartConfig
+from infra.configs.envs import (ENV_TYPES, AnswerConfig, DatasetEnvConfig, EnvConfig, FuncfitEnvConfig,
+                                HumanEvalEnvConfig, PythonEnvConfig, ReasoningGymEnvConfig, ReasoningGymTask,
+                                default_env_type)
+from infra.configs.model import ModelConfig, TinyModelConfig, WarmstartConfig
 from infra.configs.services import (
     EvalConfig,
     LoopConfig,
@@ -40,7 +43,8 @@ from infra.configs.train import LoraConfig, TrainerConfig
 from infra.errors import DeltaloopError
 
 __all__ = [
-    "ClusterConfig", "ConfigError", "EnvConfig", "EvalConfig", "HealthConfig", "HostSpec", "KubernetesConfig",
+    "ENV_TYPES", "AnswerConfig", "ClusterConfig", "ConfigError", "DatasetEnvConfig", "EnvConfig", "FuncfitEnvConfig",
+    "HumanEvalEnvConfig", "PythonEnvConfig", "ReasoningGymEnvConfig", "ReasoningGymTask", "EvalConfig", "HealthConfig", "HostSpec", "KubernetesConfig",
     "LoopConfig", "LoraConfig", "ModelConfig", "PromoteConfig", "RolloutConfig", "RunConfig", "SandboxConfig",
     "StorageConfig", "TinyModelConfig", "TrackingConfig", "TrainerConfig", "WarmstartConfig", "WeightSyncConfig",
     "apply_overrides", "dump_config", "load_config", "select_hosts", "validate_config",
@@ -70,7 +74,7 @@ class RunConfig(Strict):
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
+    env: EnvConfig = Field(default_factory=FuncfitEnvConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -81,6 +85,11 @@ class RunConfig(Strict):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_type(cls, v: Any) -> Any:
+        return default_env_type(v)
 
     @model_validator(mode="after")
     def _cross(self) -> "RunConfig":

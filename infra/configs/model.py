@@ -1,13 +1,12 @@
-"""Config sections of the policy and its data: model, supervised warm start, environment."""
+"""Config sections of the policy: model and supervised warm start (the environment: ``infra/configs/envs.py``)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from infra.configs.base import Strict
-from infra.envspec import check_families
 
 # --------------------------------------------------------------------------------------- model
 class TinyModelConfig(Strict):
@@ -74,29 +73,3 @@ class WarmstartConfig(Strict):
     probe_every: int = Field(
         50, ge=1, le=100_000, description="Steps between accuracy probes (only with target_accuracy)."
     )
-
-
-# ---------------------------------------------------------------------------------- environment
-class EnvConfig(Strict):
-    """The RL environment: prompts plus a verifier that runs in the sandbox."""
-
-    name: Literal["funcfit"] = Field(
-        "funcfit",
-        description="funcfit: write a Python expression in x from its values at x=0..5; hidden "
-        "tests check other x. Reward = fraction of hidden tests passed.",
-    )
-    seed: int = Field(1234, description="Seed of the problem generator (train and eval splits).")
-    eval_problems: int = Field(300, ge=10, le=100_000, description="Held-out problems per eval.")
-    hidden_tests: int = Field(6, ge=1, le=100, description="Hidden test points per problem.")
-    families: list[str] | None = Field(
-        None,
-        description="funcfit: function families to draw from (train, warm start and eval alike); None = all of "
-        "x+b, b-x, x*x+b, a*x+b, x%a+b.",
-    )
-
-    @field_validator("families")
-    @classmethod
-    def _known_families(cls, v: list[str] | None) -> list[str] | None:
-        if v is None:
-            return v
-        return list(check_families(v))

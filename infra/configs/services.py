@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from infra.configs.base import Strict
+from infra.configs.envs import EnvConfig, default_env_type
 
 # ------------------------------------------------------------------------------------- rollout
 class RolloutConfig(Strict):
@@ -167,11 +168,52 @@ class LoopConfig(Strict):
     )
 
 
+class SuiteConfig(Strict):
+    """An extra evaluation suite: an environment's split, its size and how to decode it.
+
+    The main suite is always the run environment's held-out split (``env.eval_problems`` problems,
+    greedy); suites add others (a second task, HumanEval, the train split) that evaluate, summary and
+    the promotion gate report one by one."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="Suite name in reports.")
+    env: EnvConfig | None = Field(None, description="The suite's environment (None: the run's env).")
+    split: Literal["heldout", "train"] = Field("heldout", description="Which split of the environment.")
+    size: int | None = Field(None, ge=1, le=100_000, description="Problems (None: the env's eval_problems).")
+    max_new_tokens: int | None = Field(None, ge=1, le=32768, description="Decode length (None: eval.max_new_tokens).")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, description="0 = greedy; > 0 with samples > 1 for pass@k.")
+    samples: int = Field(1, ge=1, le=200, description="Completions per problem (pass@k needs samples >= k).")
+    k: list[int] = Field(default_factory=lambda: [1], min_length=1, max_length=8, description="pass@k values reported.")
+    guard: bool = Field(True, description="With promote.no_regression, this suite may not regress significantly.")
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_type(cls, v: object) -> object:
+        return default_env_type(v)
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> "SuiteConfig":
+        if max(self.k) > self.samples:
+            raise ValueError(f"k={max(self.k)} needs samples >= {max(self.k)} (got {self.samples})")
+        if self.samples > 1 and self.temperature == 0.0:
+            raise ValueError("samples > 1 needs temperature > 0 (greedy samples are all the same)")
+        return self
+
+
 class EvalConfig(Strict):
-    """When to evaluate on the held-out split."""
+    """When to evaluate, and on which suites besides the run environment's held-out split."""
 
     every: int = Field(0, ge=0, le=1_000_000, description="Evaluate every N steps (0 = only before/after).")
     max_new_tokens: int = Field(24, ge=1, le=32768, description="Greedy decode length for eval.")
+    suites: list[SuiteConfig] = Field(default_factory=list, max_length=32, description="Extra suites (before/after).")
+
+    @field_validator("suites")
+    @classmethod
+    def _distinct_names(cls, v: list[SuiteConfig]) -> list[SuiteConfig]:
+        names = [s.name for s in v]
+        dup = sorted({n for n in names if names.count(n) > 1} | ({"main"} & set(names)))
+        if dup:
+            raise ValueError(f"suite name(s) {dup} repeated or reserved ('main' is the run env's held-out split)")
+        return v
 
 
 class PromoteConfig(Strict):
@@ -186,5 +228,11 @@ class PromoteConfig(Strict):
     )
     guard_tolerance: float = Field(
         0.05, ge=0.0, le=1.0,
-        description="Largest drop allowed on any guard suite (one per eval family); 1.0 disables guards.",
+        description="Largest drop allowed on any guard slice (one per problem group, e.g. funcfit family or "
+        "reasoning_gym task); 1.0 disables them.",
+    )
+    no_regression: bool = Field(
+        False,
+        description="Also reject when any guard suite of eval.suites is significantly worse than the champion "
+        "(the upper end of its paired-bootstrap interval below 0).",
     )
