@@ -10,6 +10,7 @@ CLI and the flows call it right after the config validates, before any process s
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -35,6 +36,8 @@ def build_python_env(cfg: PythonEnvConfig) -> Environment:
     """``entry`` = ``module:factory``: import the module (``paths`` first on ``sys.path``), call
     ``factory(cfg)`` and check the result has the :class:`~evals.env.Environment` members."""
     for p in reversed(cfg.paths):
+        if not os.path.isdir(p):
+            raise ValueError(f"env.paths: {p!r} is not a folder (relative paths start at {os.getcwd()})")
         if p not in sys.path:
             sys.path.insert(0, p)
     module, _, attr = cfg.entry.partition(":")
