@@ -42,7 +42,10 @@ def register(app: typer.Typer) -> None:
             cfg = load_config(config, set_)  # fail fast, before Prefect or torch is imported
             if resume:
                 config = resume_config(Path(cfg.run_root), resume)
-                load_config(config, set_)
+                cfg = load_config(config, set_)
+            from evals.registry import require_environments
+
+            require_environments(cfg, str(config))  # a bad task, file or entry point: one line each, now
         except ConfigError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2)
@@ -59,8 +62,11 @@ def register(app: typer.Typer) -> None:
         """Check a config without running anything; print the resolved config."""
         from infra.config import ConfigError, dump_config, load_config
 
+        from evals.registry import require_environments
+
         try:
             cfg = load_config(config, set_)
+            require_environments(cfg, str(config))
         except ConfigError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2)

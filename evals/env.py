@@ -110,13 +110,13 @@ def need_pool(env_name: str, pool: "SandboxPool | None") -> "SandboxPool":
     return pool
 
 
-def sft_examples_of(env: Environment, n: int, seed: int) -> list[tuple[str, str]]:
+def sft_examples_of(env: Environment, seed: int, n: int) -> list[tuple[str, str]]:
     """Supervised (prompt, target) pairs for the warm start, if the environment offers them.
 
-    An environment opts in with a ``sft_examples(n, seed)`` method (funcfit does: its generated
+    An environment opts in with a ``sft_examples(seed, n)`` method (funcfit does: its generated
     solutions); others raise a clear error, since a warm start needs reference completions."""
     fn = getattr(env, "sft_examples", None)
     if fn is None:
         raise ValueError(f"environment {env.name!r} has no reference completions for a warm start; "
                          "set warmstart.steps: 0")
-    return list(fn(n, seed))
+    return list(fn(seed, n))

@@ -10,6 +10,10 @@ overall score rises while one slice of the work collapses is rejected. A guard f
 candidate's mean on it is lower than the champion's by more than the guard's tolerance (a point
 estimate, deliberately strict: a guard is a veto, not a test of significance). Slices come from the
 suite itself (:func:`slices_by_prefix`, e.g. one guard per funcfit family) or from separate suites.
+
+Extra evaluation suites (``eval.suites``) can veto too (:func:`check_suite_regressions`,
+``promote.no_regression``): a suite regresses when the paired-bootstrap interval of the candidate's
+per-problem rewards minus the champion's lies entirely below zero — a significant drop, not noise.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class GateDecision:
     confidence: float = 0.95
     margin: float = 0.0
     guards: list["GuardCheck"] = field(default_factory=list)
+    suites: list["SuiteCheck"] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +143,47 @@ def decide_with_guards(
         decision.reason += f"; guard(s) {', '.join(repr(g.suite) for g in failed)} also regressed beyond tolerance"
     elif decision.guards:
         decision.reason += f"; {len(decision.guards)}/{len(decision.guards)} guards within tolerance"
+    return decision
+
+
+@dataclass
+class SuiteCheck:
+    """One extra eval suite under ``promote.no_regression``: the paired interval of candidate minus
+    champion; the suite regressed when the whole interval lies below 0."""
+
+    suite: str
+    n: int
+    candidate: float
+    champion: float
+    ci_low: float
+    ci_high: float
+    ok: bool
+
+
+def check_suite_regressions(candidate: dict[str, list[float]], champion: dict[str, list[float]],
+                            confidence: float = 0.95) -> list[SuiteCheck]:
+    """Paired bootstrap per suite present in both (same problems, same order)."""
+    out: list[SuiteCheck] = []
+    for name in sorted(set(candidate) & set(champion)):
+        cand, champ = candidate[name], champion[name]
+        if not cand or len(cand) != len(champ):
+            raise ValueError(f"suite {name!r} needs equal non-empty reports: {len(cand)} vs {len(champ)} problems")
+        lo, hi = paired_bootstrap([c - h for c, h in zip(cand, champ)], confidence=confidence)
+        out.append(SuiteCheck(name, len(cand), sum(cand) / len(cand), sum(champ) / len(champ), lo, hi, hi >= 0.0))
+    return out
+
+
+def veto_regressions(decision: GateDecision, checks: list[SuiteCheck]) -> GateDecision:
+    """Reject a promotion when any suite check failed; the reason names the worst one."""
+    decision.suites = checks
+    failed = [c for c in checks if not c.ok]
+    if failed and decision.promote:
+        worst = min(failed, key=lambda c: c.ci_high)
+        decision.promote = False
+        decision.reason += (f", but suite {worst.suite!r} regressed: {worst.candidate:.4f} vs {worst.champion:.4f} "
+                            f"(CI [{worst.ci_low:+.4f}, {worst.ci_high:+.4f}])")
+    elif checks and not failed:
+        decision.reason += f"; no regression on {len(checks)} suite(s)"
     return decision
 
 

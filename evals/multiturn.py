@@ -9,8 +9,10 @@ before answering again. This is the smallest such loop on deltaloop's pieces:
    this process) on the *shown* points and returns what it printed;
 3. if the values differ from the shown ones, the tool output goes back to the policy as the next
    user turn and it answers again (up to ``max_turns``);
-4. the final answer is scored on the *hidden* points by the sandbox verifier
-   (:func:`evals.funcfit.to_verify_request`), like single-turn funcfit.
+4. the final answer is scored by the environment (:meth:`evals.funcfit.FuncfitEnv.score`: the
+   *hidden* points in the sandbox verifier), like single-turn funcfit.
+
+Episodes take the environment's :class:`~evals.env.Item` s, so any funcfit split feeds them.
 
 Every turn keeps what training needs: the prompt token ids the server rendered, the sampled token
 ids, their log-probs and the weight version that produced them (the rollout server's RL extension
@@ -24,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from evals.funcfit import Problem, extract_expression, to_program, to_verify_request
+from evals.env import Item
+from evals.funcfit import FuncfitEnv, extract_expression, to_program
 
 if TYPE_CHECKING:
     from infra.sandbox import SandboxPool
@@ -73,11 +76,19 @@ def run_tool(pool: "SandboxPool", expr: str, timeout_s: float | None = None) -> 
     return f"error: {err[:200]}", res.reason
 
 
-def run_episode(client: Any, model: str, problem: Problem, pool: "SandboxPool", max_turns: int = 3,
-                max_tokens: int = 24, temperature: float = 1.0, seed: int = 0) -> Episode:
-    """Play one episode against an OpenAI-compatible ``client`` (``openai.OpenAI``)."""
-    want = [y for _, y in problem.shown]
-    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": problem.prompt}]
+def shown_values(item: Item) -> list[int]:
+    """The values of f at x = 0..5 that a funcfit prompt shows (``"3,5,7,9,11,13="``)."""
+    return [int(v) for v in str(item.prompt).rstrip("=").split(",")]
+
+
+def run_episode(client: Any, model: str, problem: Item, pool: "SandboxPool", max_turns: int = 3,
+                max_tokens: int = 24, temperature: float = 1.0, seed: int = 0,
+                env: FuncfitEnv | None = None) -> Episode:
+    """Play one episode on a funcfit item against an OpenAI-compatible ``client`` (``openai.OpenAI``)."""
+    env = env or FuncfitEnv()
+    want = shown_values(problem)
+    prompt = str(problem.prompt)
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
     ep = Episode(problem_id=problem.id)
     for k in range(max_turns):
         resp = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
@@ -97,13 +108,13 @@ def run_episode(client: Any, model: str, problem: Problem, pool: "SandboxPool", 
         except ValueError:
             pass
         messages += [{"role": "assistant", "content": answer},
-                     {"role": "user", "content": f"f gave {out}; want {json.dumps(want)}. {problem.prompt}"}]
-    result = pool.verify_many([to_verify_request(problem, ep.turns[-1].answer)])[0]
+                     {"role": "user", "content": f"f gave {out}; want {json.dumps(want)}. {prompt}"}]
+    result = env.score([problem], [ep.turns[-1].answer], pool)[0]
     ep.reward, ep.reason = result.reward, result.reason
     return ep
 
 
-def run_episodes(client: Any, model: str, problems: list[Problem], pool: "SandboxPool", concurrency: int = 8,
+def run_episodes(client: Any, model: str, problems: list[Item], pool: "SandboxPool", concurrency: int = 8,
                  **kwargs: Any) -> list[Episode]:
     """Episodes for ``problems`` in parallel threads (their requests batch together on the server)."""
     with ThreadPoolExecutor(max(1, concurrency)) as ex:

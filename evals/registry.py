@@ -12,11 +12,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Any
 
 from evals.env import Environment
 from infra.backends import Registry
-from infra.config import EnvConfig, PythonEnvConfig
+from infra.config import ConfigError, EnvConfig, PythonEnvConfig, RunConfig
 
 ENVIRONMENTS: Registry[Environment] = Registry("environment type", {
     "funcfit": "evals.funcfit:FuncfitEnv.from_config",
@@ -30,6 +29,18 @@ ENVIRONMENTS: Registry[Environment] = Registry("environment type", {
 def build_environment(cfg: EnvConfig) -> Environment:
     """The environment ``cfg`` describes."""
     return ENVIRONMENTS.create(cfg.type, cfg)
+
+
+_CACHE: dict[str, Environment] = {}
+
+
+def cached_environment(cfg: EnvConfig) -> Environment:
+    """:func:`build_environment`, built once per distinct config in this process (environments are
+    deterministic in their config; building one may read a file or import a library)."""
+    key = cfg.model_dump_json()
+    if key not in _CACHE:
+        _CACHE[key] = build_environment(cfg)
+    return _CACHE[key]
 
 
 def build_python_env(cfg: PythonEnvConfig) -> Environment:
@@ -70,9 +81,20 @@ def check_environment(cfg: EnvConfig, prefix: str = "env") -> list[str]:
     return []
 
 
-def check_run_environments(cfg: Any) -> list[str]:
+def require_environments(cfg: RunConfig, source: str) -> None:
+    """Raise :class:`~infra.config.ConfigError` (one line per problem) unless every environment of the
+    run builds: called right after the config validates, before anything starts."""
+    problems = check_run_environments(cfg)
+    if problems:
+        raise ConfigError(source, problems)
+
+
+def check_run_environments(cfg: RunConfig) -> list[str]:
     """:func:`check_environment` for the run's env and every eval suite's own env."""
     problems = check_environment(cfg.env)
+    if not problems and cfg.warmstart.steps > 0 and not hasattr(cached_environment(cfg.env), "sft_examples"):
+        problems.append(f"warmstart.steps = {cfg.warmstart.steps}: environment type {cfg.env.type!r} has no "
+                        "reference completions for a warm start; set warmstart.steps: 0")
     for suite in cfg.eval.suites:
         if suite.env is not None:
             problems += check_environment(suite.env, prefix=f"eval.suites[{suite.name}].env")

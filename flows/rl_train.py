@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect import flow
 
+from evals.registry import require_environments
 from infra.config import load_config
 from infra.stages.context import prepare_run
 from infra.stages.summary import build_summary, human_summary, record_step, write_summary
@@ -34,6 +35,7 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
 
     ``resume``: the id of an earlier run to continue (finished stages are read back from the store)."""
     cfg = load_config(config, overrides or [])
+    require_environments(cfg, config)
     ctx = prepare_run(cfg, resume)
     cluster = None
     status = "FAILED"

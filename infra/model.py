@@ -10,7 +10,9 @@
 the trainer's and rollout worker's ``init_dir``, a registered model the eval gate downloads).
 
 Weight sync publishes :func:`publishable_state` (bf16 copies of every parameter, tied weights once)
-and workers apply it with :func:`load_published_state`. Prompting is plain text (no chat template).
+and workers apply it with :func:`load_published_state`. :func:`render_prompts` turns an environment's
+prompts (plain text or chat messages) into the token ids the model sees: through the tokenizer's chat
+template when it has one (``env.chat``), else as plain text.
 """
 
 from __future__ import annotations
@@ -196,6 +198,41 @@ def load_published_state(model: "torch.nn.Module", tensors: dict[str, "torch.Ten
             if tuple(src.shape) != tuple(p.shape):
                 raise ValueError(f"tensor {name}: shape {tuple(src.shape)} != model {tuple(p.shape)}")
             p.copy_(src.to(device=p.device, dtype=p.dtype))
+
+
+def has_chat_template(tokenizer: "PreTrainedTokenizerBase") -> bool:
+    """Whether the tokenizer carries a chat template (instruct models do; the tiny demo model does not)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompts(tokenizer: "PreTrainedTokenizerBase", prompts: list[str | list[dict[str, str]]],
+                   chat: str = "auto", system_prompt: str | None = None) -> list[list[int]]:
+    """Token ids of each prompt as the policy sees it.
+
+    ``chat``: ``auto`` renders with the tokenizer's chat template when it has one (a generation
+    prompt appended, the template's own special tokens, none added twice), ``on`` requires a
+    template, ``off`` never uses one. A plain-text prompt becomes the user message, preceded by
+    ``system_prompt`` when given (and the messages do not start with their own). Without a
+    template, messages are joined by blank lines and the system prompt is not used: a base model
+    continues the text it is given.
+    """
+    if chat not in ("auto", "on", "off"):
+        raise ValueError(f"chat must be auto, on or off, got {chat!r}")
+    templated = has_chat_template(tokenizer) and chat != "off"
+    if chat == "on" and not templated:
+        raise ValueError("env.chat is 'on' but the tokenizer has no chat template")
+    out: list[list[int]] = []
+    for p in prompts:
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+        if not templated:
+            text = p if isinstance(p, str) else "\n\n".join(str(m.get("content", "")) for m in messages)
+            out.append(list(tokenizer(text, add_special_tokens=True)["input_ids"]))
+            continue
+        if system_prompt and (not messages or messages[0].get("role") != "system"):
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
 
 
 def count_parameters(model: "torch.nn.Module") -> int:

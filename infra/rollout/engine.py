@@ -68,7 +68,11 @@ class RolloutEngine(Protocol):
     version: int
 
     def generate(self, prompts: list[str], n: int, params: SamplingParams) -> list[Completion]:
-        """``n`` completions per prompt, grouped by prompt (len = len(prompts) * n)."""
+        """``n`` completions per plain-text prompt, grouped by prompt (len = len(prompts) * n)."""
+        ...
+
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        """Like :meth:`generate` for prompts already rendered to token ids (:func:`infra.model.render_prompts`)."""
         ...
 
     def load_weights(self, tensors: dict, version: int) -> None:

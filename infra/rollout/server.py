@@ -49,6 +49,7 @@ class RolloutWorker:
         model, tokenizer = load_policy(cfg.model, seed=cfg.seed, folder=spec.init_dir or None)
         model.eval()
         self.engine = create_engine(cfg.rollout, model, tokenizer)
+        self.tokenizer = tokenizer
         self.reader = VersionReader(self.store, run_key(spec.run_id, None, "weights"), threads=cfg.weight_sync.threads)
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
@@ -87,14 +88,18 @@ class RolloutWorker:
         """Generate ``n`` samples per prompt of the batch at ``prompts_key``; write ``out_key``."""
         from infra.rollout.engine import SamplingParams
 
+        from infra.model import render_prompts
+
         batch = get_json(self.store, prompts_key)
-        prompts: list[str] = batch["prompts"]
+        prompts: list[Any] = batch["prompts"]
+        render = batch.get("render") or {"chat": "off", "system_prompt": None}
+        prompt_ids = render_prompts(self.tokenizer, prompts, render["chat"], render.get("system_prompt"))
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=self.cfg.rollout.top_p, stop=["\n"], seed=seed)
+                                top_p=self.cfg.rollout.top_p, stop=list(batch.get("stop", ["\n"])), seed=seed)
         with self._lock:
             version = self.version
             started = time.perf_counter()
-            completions = self.engine.generate(prompts, n, params)
+            completions = self.engine.generate_ids(prompt_ids, n, params)
             seconds = time.perf_counter() - started
         samples = [
             {"prompt_index": c.prompt_index, "text": c.text, "token_ids": list(c.token_ids),
@@ -102,8 +107,9 @@ class RolloutWorker:
             for c in completions
         ]
         tokens = sum(len(s["token_ids"]) for s in samples)
-        put_json(self.store, out_key, {"version": version, "group_size": n, "prompts": prompts, "samples": samples,
-                                       "seconds": seconds, "tokens": tokens})
+        put_json(self.store, out_key, {"version": version, "group_size": n, "prompts": prompts,
+                                       "prompt_ids": prompt_ids, "samples": samples, "seconds": seconds,
+                                       "tokens": tokens})
         return {"key": out_key, "version": version, "samples": len(samples), "tokens": tokens,
                 "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
 

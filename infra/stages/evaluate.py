@@ -1,129 +1,228 @@
-"""*evaluate*: the one held-out evaluator, and the one definition of a batch's score.
+"""*evaluate*: the one evaluator of every suite, and the one definition of a batch's score.
 
-Every held-out score comes from :func:`evaluate_heldout`: greedy completions of the held-out split
-(``env.eval_problems`` problems of ``env.seed``), each verified in the sandbox pool. Only the source
-of the completions differs between callers — the rollout worker serving the run's current version
-(:func:`evaluate`, before/after RL and every ``eval.every`` steps) or a model folder loaded in this
-process (the eval gate, ``infra/stages/gate.py``). :func:`reward_stats` defines score, spread and
-all-tests-pass accuracy, for evaluations and for the per-step training batch alike.
+A **suite** is an environment's split, a size and a decoding (:class:`Suite`). The **main** suite is
+the run environment's held-out split (``env.eval_problems`` problems, greedy, ``eval.max_new_tokens``);
+``eval.suites`` adds others (a second task, HumanEval with pass@k, the train split).
+:func:`evaluate_suite` is the evaluator: the suite's items are rendered and completed by a
+``generate`` function, then scored by the environment (:meth:`evals.env.Environment.score`: sandbox
+for executed output, trusted comparisons otherwise). Only the source of the completions differs
+between callers — the rollout worker serving the run's current version (:func:`evaluate`, before and
+after RL and every ``eval.every`` steps on the main suite) or a model folder loaded in this process
+(the eval gate, ``infra/stages/gate.py``). :func:`reward_stats` defines score, spread and accuracy,
+for evaluations and for the per-step training batch alike.
 
-The report keeps per-problem rewards (not only the mean) so the promotion gate can compare a
-candidate and the champion on the same problems. Reports are keyed by the weight version they
-evaluate, so re-running an evaluation of the same version is free.
+A report keeps per-problem rewards and correctness (not only the means), so the promotion gate and
+the run summary compare two versions on the same problems (paired bootstrap). Reports are keyed by
+suite and weight version, so re-running an evaluation of the same version is free.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from infra.config import RunConfig
+from evals.env import Environment, Item
+from evals.gate import paired_bootstrap
+from evals.passk import pass_at_k_report
+from evals.registry import cached_environment
+from infra.config import EnvConfig, RunConfig
 from infra.stages.context import Cluster, RunContext
 from infra.storage import get_json, put_json
 
-if TYPE_CHECKING:
-    from evals.funcfit import Problem
+# (prompt batch artefact, samples per prompt, temperature, max new tokens)
+#   -> (completion texts grouped by prompt, generation seconds)
+Generate = Callable[[dict[str, Any], int, float, int], tuple[list[str], float]]
 
-# (held-out problems) -> (greedy completion text per problem, in order; generation seconds)
-Generate = Callable[[list["Problem"]], tuple[list[str], float]]
+
+@dataclass(frozen=True)
+class Suite:
+    """One evaluation suite: ``size`` items of ``split`` of ``env``, decoded as stated."""
+
+    name: str
+    env: EnvConfig
+    split: str = "heldout"
+    size: int = 100
+    max_new_tokens: int = 24
+    temperature: float = 0.0
+    samples: int = 1
+    ks: tuple[int, ...] = (1,)
+    guard: bool = True
+    key: str = field(default="", compare=False)
+
+    def cache_name(self) -> str:
+        """Name of the suite's reports in the store: the name plus a hash of everything that defines it."""
+        blob = (self.env.model_dump_json() + f"|{self.split}|{self.size}|{self.max_new_tokens}|{self.temperature}"
+                f"|{self.samples}")
+        return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+def main_suite(cfg: RunConfig) -> Suite:
+    """The run environment's held-out split, greedy: the suite every gain and gate decision is about."""
+    return Suite("main", cfg.env, "heldout", cfg.env.eval_problems, cfg.eval.max_new_tokens)
+
+
+def run_suites(cfg: RunConfig) -> list[Suite]:
+    """The main suite, then every ``eval.suites`` entry resolved against the run's defaults."""
+    out = [main_suite(cfg)]
+    for s in cfg.eval.suites:
+        env = s.env if s.env is not None else cfg.env
+        out.append(Suite(s.name, env, s.split, s.size or env.eval_problems, s.max_new_tokens or cfg.eval.max_new_tokens,
+                         s.temperature, s.samples, tuple(s.k), s.guard))
+    return out
 
 
 def suite_name(cfg: RunConfig) -> str:
-    """The held-out suite's name: environment, seed and size (reports are cached under it)."""
-    return f"funcfit-heldout-{cfg.env.seed}-{cfg.env.eval_problems}"
+    """The main suite's cache name (gate reports are stored under it)."""
+    return main_suite(cfg).cache_name()
 
 
-def heldout_problems(cfg: RunConfig) -> list["Problem"]:
-    """The held-out split the config names (deterministic in ``env.seed``)."""
-    from evals.funcfit import eval_set
-
-    return eval_set(cfg.env.seed, cfg.env.eval_problems, cfg.env.hidden_tests, cfg.env.families)
+def suite_items(suite: Suite, env: Environment) -> list[Item]:
+    """The suite's items: the first ``size`` held-out items, or ``size`` train items of step 0."""
+    return env.heldout_items(suite.size) if suite.split == "heldout" else env.train_items(0, suite.size)
 
 
-def reward_stats(rewards: list[float]) -> dict[str, float]:
-    """``score`` (mean reward), ``std`` (population standard deviation) and ``accuracy`` (fraction of
-    completions that pass every test) of a list of rewards in [0, 1]; 0 for an empty list."""
+def prompt_batch(env_cfg: EnvConfig, env: Environment, items: list[Item]) -> dict[str, Any]:
+    """The artefact the rollout worker completes: prompts, the items, how to render and where to stop."""
+    system = env_cfg.system_prompt if env_cfg.system_prompt is not None else env.system_prompt
+    stop = list(env_cfg.stop) if env_cfg.stop is not None else list(env.stop)
+    return {"prompts": [it.prompt for it in items], "items": [it.to_json() for it in items],
+            "render": {"chat": env_cfg.chat, "system_prompt": system}, "stop": stop}
+
+
+def reward_stats(rewards: list[float], correct: list[bool] | None = None) -> dict[str, float]:
+    """``score`` (mean reward), ``std`` (population standard deviation) and ``accuracy`` (fraction
+    correct; without ``correct``: fraction with reward 1) of rewards in [0, 1]; 0 for an empty list."""
     n = max(1, len(rewards))
     mean = sum(rewards) / n
+    ok = correct if correct is not None else [x >= 1.0 for x in rewards]
     return {"score": mean, "std": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
-            "accuracy": sum(1 for x in rewards if x >= 1.0) / n}
+            "accuracy": sum(1 for c in ok if c) / n}
 
 
-def verify_completions(pool: Any, problems: list["Problem"], texts: list[str], timeout_s: float,
-                       dedupe: bool = False) -> list[Any]:
-    """Verify completion ``texts[i]`` of ``problems[i]`` in the sandbox pool; one result per text."""
-    from evals.funcfit import to_verify_request
+def evaluate_suite(suite: Suite, generate: Generate, pool: Any) -> dict[str, Any]:
+    """Complete and score ``suite``; the report.
 
-    return pool.verify_many([to_verify_request(p, t, timeout_s) for p, t in zip(problems, texts)], dedupe=dedupe)
+    ``score``/``accuracy`` are means over problems of the per-problem mean over samples;
+    ``per_group`` the mean reward per item group; ``problem_ids``, ``rewards``, ``correct`` (per
+    problem) and ``completions`` (the first sample each) for paired comparisons and reading;
+    ``pass_at_k`` when the suite samples more than once; generation and scoring seconds."""
+    env = cached_environment(suite.env)
+    items = suite_items(suite, env)
+    texts, gen_seconds = generate(prompt_batch(suite.env, env, items), suite.samples, suite.temperature,
+                                  suite.max_new_tokens)
+    t0 = time.perf_counter()
+    scores = env.score([it for it in items for _ in range(suite.samples)], texts, pool)
+    score_seconds = time.perf_counter() - t0
+    m = suite.samples
+    rewards = [sum(s.reward for s in scores[i * m:(i + 1) * m]) / m for i in range(len(items))]
+    n_correct = [sum(1 for s in scores[i * m:(i + 1) * m] if s.correct) for i in range(len(items))]
+    stats = reward_stats(rewards, [c == m for c in n_correct])
+    groups: dict[str, list[float]] = {}
+    for it, r in zip(items, rewards):
+        groups.setdefault(it.group or suite.env.type, []).append(r)
+    reasons: dict[str, int] = {}
+    for s in scores:
+        reasons[s.reason] = reasons.get(s.reason, 0) + 1
+    report = {
+        "suite": suite.cache_name(), "suite_name": suite.name, "env": suite.env.type, "split": suite.split,
+        "n": len(items), "samples": m, "score": stats["score"],
+        "accuracy": sum(c / m for c in n_correct) / max(1, len(items)),
+        "per_group": {g: sum(v) / len(v) for g, v in sorted(groups.items())}, "reasons": reasons,
+        "problem_ids": [it.id for it in items], "groups": [it.group for it in items], "rewards": rewards,
+        "correct": [c / m for c in n_correct], "completions": texts[::m],
+        "generate_seconds": gen_seconds, "score_seconds": score_seconds,
+    }
+    if m > 1:
+        report["pass_at_k"] = pass_at_k_report([it.id for it in items], n_correct, m, list(suite.ks))
+    return report
 
 
 def evaluate_heldout(cfg: RunConfig, generate: Generate, pool: Any) -> dict[str, Any]:
-    """Greedy completions of the held-out split by ``generate``, verified in ``pool``: the report.
-
-    The report has ``suite``, ``n``, ``score``, ``accuracy``, ``per_family`` (mean reward per
-    function family), and per problem ``problem_ids``, ``rewards`` and ``completions``, plus
-    ``generate_seconds``."""
-    problems = heldout_problems(cfg)
-    texts, seconds = generate(problems)
-    rewards = [float(r.reward) for r in verify_completions(pool, problems, texts, cfg.sandbox.timeout_s)]
-    stats = reward_stats(rewards)
-    families: dict[str, list[float]] = {}
-    for p, r in zip(problems, rewards):
-        families.setdefault(p.family, []).append(r)
-    return {
-        "suite": suite_name(cfg), "n": len(rewards), "score": stats["score"], "accuracy": stats["accuracy"],
-        "per_family": {f: sum(v) / len(v) for f, v in sorted(families.items())},
-        "problem_ids": [p.id for p in problems], "rewards": rewards, "completions": texts,
-        "generate_seconds": seconds,
-    }
+    """The main suite's report (see :func:`evaluate_suite`)."""
+    return evaluate_suite(main_suite(cfg), generate, pool)
 
 
-def _served_generate(ctx: RunContext, cluster: Cluster, version: int) -> Generate:
-    """Greedy completions from the rollout worker (the version it serves now)."""
+def pass_at_k_means(report: dict[str, Any]) -> dict[int, float]:
+    """``{k: pass@k}`` of a report (empty when the suite sampled once)."""
+    pk = report.get("pass_at_k") or {}
+    return {int(k): float(pk[f"pass@{k}"]) for k in pk.get("k", [])}
 
-    def generate(problems: list["Problem"]) -> tuple[list[str], float]:
-        prompts_key = ctx.key(None, "eval", "prompts.json")
+
+def paired_gain(before: dict[str, Any], after: dict[str, Any], metric: str = "rewards",
+                confidence: float = 0.95) -> tuple[float, float] | None:
+    """Paired-bootstrap interval of ``after - before`` on the same problems (None if they differ)."""
+    if before.get("problem_ids") != after.get("problem_ids") or not after.get(metric):
+        return None
+    return paired_bootstrap([a - b for a, b in zip(after[metric], before[metric])], confidence=confidence)
+
+
+def _served_generate(ctx: RunContext, cluster: Cluster, version: int, suite: Suite) -> Generate:
+    """Completions from the rollout worker (the version it serves now)."""
+
+    def generate(batch: dict[str, Any], n: int, temperature: float, max_new_tokens: int) -> tuple[list[str], float]:
+        prompts_key = ctx.key(None, "eval", suite.cache_name(), "prompts.json")
         if not ctx.store.exists(prompts_key):
-            put_json(ctx.store, prompts_key, {"prompts": [p.prompt for p in problems],
-                                              "problems": [asdict(p) for p in problems]})
-        gen_key = ctx.key(None, "eval", f"v{version:06d}-completions.json")
-        gen = cluster.rollout.rollout(prompts_key, gen_key, 1, 0.0, ctx.cfg.eval.max_new_tokens, seed=0)
-        texts = [""] * len(problems)
-        for s in get_json(ctx.store, gen_key)["samples"]:
-            texts[s["prompt_index"]] = s["text"]
-        return texts, gen["seconds"]
+            put_json(ctx.store, prompts_key, batch)
+        gen_key = ctx.key(None, "eval", suite.cache_name(), f"v{version:06d}-completions.json")
+        gen = cluster.rollout.rollout(prompts_key, gen_key, n, temperature, max_new_tokens, seed=0)
+        samples = sorted(get_json(ctx.store, gen_key)["samples"], key=lambda s: s["prompt_index"])
+        return [s["text"] for s in samples], gen["seconds"]
 
     return generate
 
 
-def evaluate(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
-    """Evaluate the version the rollout worker serves now; returns the report (without per-problem lists)."""
+def suite_report_key(ctx: RunContext, suite: Suite, version: int) -> str:
+    """Where the report of ``suite`` on weight ``version`` is stored."""
+    return ctx.key(None, "eval", suite.cache_name(), f"v{version:06d}.json")
+
+
+def evaluate(ctx: RunContext, cluster: Cluster, step: int, all_suites: bool = True) -> dict[str, Any]:
+    """Evaluate the version the rollout worker serves now on the main suite (and, with
+    ``all_suites``, every ``eval.suites`` entry); returns the main report without per-problem lists,
+    plus ``key`` (the stored report) and ``suites`` (each extra suite's key and means)."""
     version = cluster.version
-    out_key = ctx.key(None, "eval", f"v{version:06d}.json")
-    if ctx.store.exists(out_key):
-        report = get_json(ctx.store, out_key)
-    else:
-        report = {"version": version, "step": step,
-                  **evaluate_heldout(ctx.cfg, _served_generate(ctx, cluster, version), cluster.sandbox)}
-        put_json(ctx.store, out_key, report)
-    ctx.report(f"eval at step {step} (v{version}): score {report['score']:.3f}, "
-               f"all-tests-pass {report['accuracy']:.3f} on {report['n']} held-out problems")
-    ctx.tracker.log_metrics({"eval_score": report["score"], "eval_accuracy": report["accuracy"]}, step=step)
-    ctx.history.append({"kind": "eval", "step": step, "version": version, "score": report["score"],
-                        "accuracy": report["accuracy"]})
-    return {k: v for k, v in report.items() if k not in ("rewards", "completions", "problem_ids")} | {"key": out_key}
+    out: dict[str, Any] = {}
+    for suite in run_suites(ctx.cfg) if all_suites else [main_suite(ctx.cfg)]:
+        key = suite_report_key(ctx, suite, version)
+        if ctx.store.exists(key):
+            report = get_json(ctx.store, key)
+        else:
+            report = {"version": version, "step": step,
+                      **evaluate_suite(suite, _served_generate(ctx, cluster, version, suite), cluster.sandbox)}
+            put_json(ctx.store, key, report)
+        brief = {k: v for k, v in report.items() if k not in ("rewards", "completions", "problem_ids", "groups",
+                                                               "correct")} | {"key": key}
+        prefix = "eval" if suite.name == "main" else f"eval_{suite.name}"
+        ctx.tracker.log_metrics({f"{prefix}_score": report["score"], f"{prefix}_accuracy": report["accuracy"],
+                                 **{f"{prefix}_pass_at_{k}": v for k, v in pass_at_k_means(report).items()}},
+                                step=step)
+        ctx.report(f"eval {suite.name} at step {step} (v{version}): score {report['score']:.3f}, "
+                   f"accuracy {report['accuracy']:.3f} on {report['n']} problems")
+        if suite.name == "main":
+            out = brief
+        else:
+            out.setdefault("suites", {})[suite.name] = brief
+    ctx.history.append({"kind": "eval", "step": step, "version": version, "score": out["score"],
+                        "accuracy": out["accuracy"]})
+    return out
 
 
 def generate_with_model(cfg: RunConfig, model: Any, tokenizer: Any) -> Generate:
-    """Greedy completions from ``model`` in this process, on the configured rollout engine."""
+    """Completions from ``model`` in this process, on the configured rollout engine."""
+    from infra.model import render_prompts
     from infra.rollout import create_engine
+    from infra.rollout.engine import SamplingParams
 
     engine = create_engine(cfg.rollout, model.eval(), tokenizer)
 
-    def generate(problems: list["Problem"]) -> tuple[list[str], float]:
+    def generate(batch: dict[str, Any], n: int, temperature: float, max_new_tokens: int) -> tuple[list[str], float]:
         t0 = time.perf_counter()
-        texts = engine.greedy([p.prompt for p in problems], cfg.eval.max_new_tokens)
-        return texts, time.perf_counter() - t0
+        ids = render_prompts(tokenizer, batch["prompts"], batch["render"]["chat"], batch["render"]["system_prompt"])
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop=batch["stop"],
+                                top_p=1.0 if temperature == 0 else cfg.rollout.top_p)
+        completions = sorted(engine.generate_ids(ids, n, params), key=lambda c: c.prompt_index)
+        return [c.text for c in completions], time.perf_counter() - t0
 
     return generate

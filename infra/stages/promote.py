@@ -4,7 +4,9 @@ The candidate is always registered (so a rejected model can still be inspected a
 hand); its ``deltaloop.status`` tag says ``promoted`` or ``rejected`` and ``deltaloop.reason`` why.
 The gate compares per-problem rewards on the same held-out suite when the champion's eval report is
 available (it is logged as ``eval/final.json`` on every run), else the recorded mean scores; guard
-suites (per-family slices) and the CI level come from ``promote`` (see ``infra/stages/gate.py``).
+suites (per-group slices) and the CI level come from ``promote`` (see ``infra/stages/gate.py``). With
+``promote.no_regression`` every guard suite of ``eval.suites`` that the champion's run also evaluated
+may not be significantly worse (:func:`evals.gate.check_suite_regressions`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
+from evals.gate import check_suite_regressions, veto_regressions
 from infra.registry import Registry
 from infra.stages.context import Cluster, RunContext
+from infra.stages.evaluate import run_suites, suite_report_key
 from infra.stages.gate import gate_rewards
 from infra.storage import get_json
 
@@ -25,24 +29,40 @@ def champion_rewards(reg: Registry, alias: str, suite: str, problem_ids: list[st
     champ = reg.alias(alias)
     if champ is None:
         return None, None, None
+    rep = champion_report(reg, champ.run_id)
     rewards = None
-    if champ.run_id:
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = reg.client.download_artifacts(champ.run_id, "eval/final.json", tmp)
-                with open(path) as fh:
-                    rep = json.load(fh)
-            if rep.get("suite") == suite and rep.get("problem_ids") == problem_ids:
-                rewards = [float(x) for x in rep["rewards"]]
-        except Exception:  # champion logged elsewhere or without a report: fall back to its score tag
-            rewards = None
+    if rep.get("suite") == suite and rep.get("problem_ids") == problem_ids:
+        rewards = [float(x) for x in rep["rewards"]]
     return rewards, champ.score("eval_score"), champ.version
+
+
+def champion_report(reg: Registry, run_id: str | None) -> dict[str, Any]:
+    """The ``eval/final.json`` a run logged ({} when the run or the artifact is not there)."""
+    if not run_id:
+        return {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = reg.client.download_artifacts(run_id, "eval/final.json", tmp)
+            with open(path) as fh:
+                return dict(json.load(fh))
+    except Exception:  # champion logged elsewhere or without a report: the gate falls back to its score tag
+        return {}
+
+
+def suite_rewards(reports: dict[str, Any]) -> dict[str, list[float]]:
+    """Per-problem rewards of each guard suite keyed by the suite's cache name (so only identical
+    suites — same env, split, size and decoding — are compared)."""
+    return {r["suite"]: [float(x) for x in r["rewards"]] for r in reports.values() if r.get("guard", True)}
 
 
 def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, sandbox_image: str) -> dict[str, Any]:
     """Export, register and gate the final policy. Returns the decision and the version made."""
     cfg = ctx.cfg
     report = get_json(ctx.store, final_eval_key)
+    version = int(report["version"])
+    report["suites"] = {
+        suite.name: {**get_json(ctx.store, suite_report_key(ctx, suite, version)), "guard": suite.guard}
+        for suite in run_suites(cfg)[1:] if ctx.store.exists(suite_report_key(ctx, suite, version))}
     ctx.tracker.log_dict(report, "eval/final.json")
     model_dir = ctx.run_dir / "model"
     cluster.trainer.call("export", path=str(model_dir))
@@ -52,6 +72,11 @@ def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, s
                                                                  report["problem_ids"])
     decision = gate_rewards(report["problem_ids"], report["rewards"], champ_rewards, cfg.promote,
                             champion_score=champ_score)
+    champ = reg.alias(cfg.promote.alias)
+    if cfg.promote.no_regression and champ is not None and report["suites"]:
+        champ_suites = champion_report(reg, champ.run_id).get("suites") or {}
+        decision = veto_regressions(decision, check_suite_regressions(
+            suite_rewards(report["suites"]), suite_rewards(champ_suites), cfg.promote.confidence))
     tags = {
         "deltaloop.run_id": ctx.run_id,
         "mlflow_run_id": ctx.tracker.run_id,

@@ -8,81 +8,67 @@ stored result instead of redoing the work.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
+from evals.env import Item
+from evals.registry import cached_environment
 from infra.stages.context import Cluster, RunContext
-from infra.stages.evaluate import reward_stats, verify_completions
+from infra.stages.evaluate import prompt_batch, reward_stats
 from infra.storage import get_json, put_json
 
 
-def _problem_dict(p: Any) -> dict[str, Any]:
-    return asdict(p)
-
-
 def rollout_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
-    """Draw fresh training prompts for ``step`` and sample ``group_size`` completions per prompt."""
-    from evals.funcfit import train_batch
-
+    """Draw fresh training items for ``step`` and sample ``group_size`` completions per prompt."""
     cfg = ctx.cfg
     out_key = ctx.key(step, "rollouts.json")
     if ctx.store.exists(out_key):
         meta = get_json(ctx.store, out_key)
         return {"key": out_key, "version": meta["version"], "tokens": meta.get("tokens", 0),
                 "seconds": meta.get("seconds", 0.0), "cached": True}
-    problems = train_batch(cfg.env.seed, step, cfg.trainer.prompts_per_step, cfg.env.hidden_tests,
-                           cfg.env.families)
+    env = cached_environment(cfg.env)
+    items = env.train_items(step, cfg.trainer.prompts_per_step)
     prompts_key = ctx.key(step, "prompts.json")
-    put_json(ctx.store, prompts_key, {"prompts": [p.prompt for p in problems],
-                                      "problems": [_problem_dict(p) for p in problems]})
+    put_json(ctx.store, prompts_key, prompt_batch(cfg.env, env, items))
     res = cluster.rollout.rollout(prompts_key, out_key, cfg.trainer.group_size, cfg.rollout.temperature,
                                   cfg.rollout.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
     return {**res, "prompts_key": prompts_key}
 
 
 def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
-    """Run every rollout's program against its hidden tests in the sandbox pool.
+    """Score every rollout with the environment (in the sandbox pool when it runs model output).
 
     Rewards are summarised by :func:`~infra.stages.evaluate.reward_stats`, the same definition of
-    score and all-tests-pass accuracy as the held-out evaluation."""
-    from evals.funcfit import Problem
-
+    score and accuracy as the held-out evaluation."""
     out_key = ctx.key(step, "scores.json")
     if ctx.store.exists(out_key):
         return {**get_json(ctx.store, out_key)["summary"], "key": out_key, "cached": True}
     rollouts = get_json(ctx.store, ctx.key(step, "rollouts.json"))
-    problems = [Problem(**_fix_problem(d)) for d in get_json(ctx.store, ctx.key(step, "prompts.json"))["problems"]]
+    items = [Item.from_json(d) for d in get_json(ctx.store, ctx.key(step, "prompts.json"))["items"]]
     samples = rollouts["samples"]
+    env = cached_environment(ctx.cfg.env)
+    pool = cluster.sandbox if env.needs_sandbox else None
     t0 = time.perf_counter()
-    results = verify_completions(cluster.sandbox, [problems[s["prompt_index"]] for s in samples],
-                                 [s["text"] for s in samples], ctx.cfg.sandbox.timeout_s, dedupe=ctx.cfg.sandbox.dedupe)
+    results = env.score([items[s["prompt_index"]] for s in samples], [s["text"] for s in samples], pool)
     seconds = time.perf_counter() - t0
     rewards = [float(r.reward) for r in results]
     reasons: dict[str, int] = {}
     for r in results:
         reasons[r.reason] = reasons.get(r.reason, 0) + 1
-    stats = reward_stats(rewards)
+    stats = reward_stats(rewards, [r.correct for r in results])
     summary = {
         "reward_mean": stats["score"],
         "reward_std": stats["std"],
         "solved_fraction": stats["accuracy"],
         "score_seconds": seconds,
-        "sandbox_latency_ms": 1000 * sum(r.wall_seconds for r in results) / max(1, len(results)),
+        "score_ms_per_sample": 1000 * seconds / max(1, len(results)),
         "reasons": reasons,
     }
-    # the pool's own window (queue wait, start/run latency, utilisation, idle sandbox-seconds)
-    summary["sandbox"] = cluster.sandbox.metrics(reset=True)
-    put_json(ctx.store, out_key, {"rewards": rewards, "reasons": [r.reason for r in results], "summary": summary})
+    if pool is not None:  # the pool's own window (queue wait, start/run latency, utilisation, idle sandbox-seconds)
+        summary["sandbox"] = pool.metrics(reset=True)
+        summary["sandbox_latency_ms"] = summary["sandbox"].get("run_p50_ms", 0.0)
+    put_json(ctx.store, out_key, {"rewards": rewards, "reasons": [r.reason for r in results],
+                                  "correct": [r.correct for r in results], "summary": summary})
     return {**summary, "key": out_key}
-
-
-def _fix_problem(d: dict[str, Any]) -> dict[str, Any]:
-    """JSON turns tuples into lists; restore the dataclass field types."""
-    d = dict(d)
-    for k in ("shown", "hidden"):
-        if k in d:
-            d[k] = [tuple(x) for x in d[k]]
-    return d
 
 
 def _train_call(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:

@@ -23,15 +23,13 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
     fracs = [h["sync_fraction"] for h in steps if h.get("sync_fraction") is not None]
     stale = [h.get("staleness", 0) for h in steps]
     overheads = [h["orchestration_overhead_fraction"] for h in steps if h.get("orchestration_overhead_fraction")]
-    return {
+    return {**_eval_summary(ctx, before, after),
         "run_id": ctx.run_id,
         "run_dir": str(ctx.run_dir),
         "mlflow_run_id": ctx.tracker.run_id,
         "tracking_uri": ctx.cfg.resolved_tracking_uri(),
         "store": ctx.store.uri,
         "wall_seconds": time.time() - ctx.started,
-        "eval_before": before["score"], "eval_after": after["score"],
-        "eval_accuracy_before": before["accuracy"], "eval_accuracy_after": after["accuracy"],
         "steps": len(steps), "final_weight_version": after["version"],
         "promoted": bool(gate and gate["promoted"]), "model_version": gate["model_version"] if gate else None,
         "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
@@ -42,6 +40,36 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
         "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
         "history": ctx.history,
     }
+
+
+def _eval_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Main-suite scores before/after with the paired-bootstrap 95% interval of the gain (of the score
+    and of the accuracy), and the same for every extra suite under ``suites``."""
+    from infra.stages.evaluate import paired_gain, pass_at_k_means
+    from infra.storage import get_json
+
+    def pair(b: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+        full_b, full_a = (get_json(ctx.store, r["key"]) if "key" in r else r for r in (b, a))
+        ci = paired_gain(full_b, full_a)
+        ci_acc = paired_gain(full_b, full_a, metric="correct")
+        return {"before": b["score"], "after": a["score"], "gain_ci95": list(ci) if ci else None,
+                "accuracy_before": b["accuracy"], "accuracy_after": a["accuracy"],
+                "accuracy_gain_ci95": list(ci_acc) if ci_acc else None, "n": a.get("n"),
+                **({"pass_at_k_before": pass_at_k_means(b), "pass_at_k_after": pass_at_k_means(a)}
+                   if "pass_at_k" in a else {})}
+
+    main = pair(before, after)
+    out: dict[str, Any] = {
+        "eval_suite": after.get("suite"), "eval_n": main["n"],
+        "eval_before": main["before"], "eval_after": main["after"], "eval_gain_ci95": main["gain_ci95"],
+        "eval_accuracy_before": main["accuracy_before"], "eval_accuracy_after": main["accuracy_after"],
+        "eval_accuracy_gain_ci95": main["accuracy_gain_ci95"],
+    }
+    extra = {name: pair(before.get("suites", {})[name], rep) for name, rep in (after.get("suites") or {}).items()
+             if name in (before.get("suites") or {})}
+    if extra:
+        out["suites"] = extra
+    return out
 
 
 def write_summary(ctx: RunContext, summary: dict[str, Any]) -> Path:
@@ -60,14 +88,22 @@ def human_summary(s: dict[str, Any]) -> str:
     lines = [
         f"run {s['run_id']} finished in {s['wall_seconds']:.0f}s ({s['steps']} steps)",
         f"  eval (held-out): {s['eval_before']:.3f} -> {s['eval_after']:.3f} "
-        f"({s['eval_after'] - s['eval_before']:+.3f})",
+        f"({s['eval_after'] - s['eval_before']:+.3f}, 95% CI {_ci(s.get('eval_gain_ci95'))}); accuracy "
+        f"{s['eval_accuracy_before']:.3f} -> {s['eval_accuracy_after']:.3f} on {s.get('eval_n')} problems",
         f"  final weight version: {s['final_weight_version']}; synced {s.get('sync_bytes_total', 0) / 1e6:.2f} MB "
         f"in deltas ({s.get('sync_fraction_mean', 0) * 100:.2f}% of full on average)",
         f"  model version {s['model_version']}: {'PROMOTED to champion' if s['promoted'] else 'not promoted'}"
         f" — {s.get('gate_reason', '')}",
         f"  MLflow run {s['mlflow_run_id']} at {s['tracking_uri']}",
     ]
+    for name, suite in (s.get("suites") or {}).items():
+        lines.insert(2, f"  suite {name}: {suite['before']:.3f} -> {suite['after']:.3f} "
+                        f"(95% CI {_ci(suite.get('gain_ci95'))}) on {suite.get('n')} problems")
     return "\n".join(lines)
+
+
+def _ci(ci: list[float] | None) -> str:
+    return f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "n/a"
 
 
 def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[str, Any], train: dict[str, Any],
@@ -84,6 +120,7 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
         "loss": m.get("loss"), "kl": m.get("kl"), "clip_frac": m.get("clip_frac"), "grad_norm": m.get("grad_norm"),
         "rollout_tokens_per_s": roll.get("tokens_per_s"), "train_tokens_per_s": m.get("train_tokens_per_s"),
         "rollout_seconds": roll.get("seconds"), "score_seconds": score.get("score_seconds"),
+        "score_ms_per_sample": score.get("score_ms_per_sample"),
         "train_seconds": m.get("train_seconds"), "sandbox_latency_ms": score.get("sandbox_latency_ms"),
         "sync_bytes": pub.get("bytes_written"), "sync_raw_bytes": pub.get("raw_bytes"),
         "sync_fraction": (pub.get("bytes_written", 0) / pub["raw_bytes"]) if pub.get("raw_bytes") else None,

@@ -9,20 +9,21 @@ artefact.
 
 from __future__ import annotations
 
-from functools import partial
-
 from infra.stages.context import RunContext
 from infra.storage import put_json
 
 
 def store_warmstart_examples(ctx: RunContext) -> str:
     """Store the warm start's per-step pairs under ``runs/<run>/warmstart/examples.json``; returns the key."""
-    from evals.funcfit import sft_examples
+    from evals.env import sft_examples_of
+    from evals.registry import cached_environment
     from infra.train.sft import sft_step_examples
 
     key = ctx.key(None, "warmstart", "examples.json")
     if not ctx.store.exists(key):
-        env, wcfg = ctx.cfg.env, ctx.cfg.warmstart
-        examples = partial(sft_examples, hidden_tests=env.hidden_tests, families=env.families)
-        put_json(ctx.store, key, {"steps": sft_step_examples(examples, env.seed, wcfg.steps, wcfg.batch_size)})
+        wcfg = ctx.cfg.warmstart
+        env = cached_environment(ctx.cfg.env)
+        steps = sft_step_examples(lambda seed, n: sft_examples_of(env, seed, n), ctx.cfg.env.seed, wcfg.steps,
+                                  wcfg.batch_size)
+        put_json(ctx.store, key, {"steps": steps})
     return key

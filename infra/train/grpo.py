@@ -72,13 +72,15 @@ def _field(c: Any, name: str) -> Any:
 
 def build_batch(
     tokenizer: "PreTrainedTokenizerBase",
-    prompts: list[str],
+    prompts: list[str] | list[list[int]],
     completions: "list[Completion] | list[dict[str, Any]]",
     advantages: "torch.Tensor | list[float]",
     weights: "torch.Tensor | list[float] | None" = None,
 ) -> dict[str, "torch.Tensor"]:
     """Right-padded training tensors for completions (``Completion`` objects or their dicts).
 
+    ``prompts`` are plain text (tokenized here, special tokens added) or token ids as the rollout
+    worker rendered them (a chat template: the ids the policy was sampled from, used as they are).
     If ``len(prompts) == len(completions)`` the prompts are taken positionally (one per completion,
     e.g. a shard); otherwise completion k's prompt is ``prompts[completions[k].prompt_index]``.
 
@@ -91,7 +93,10 @@ def build_batch(
     adv = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if adv.numel() != len(completions):
         raise ValueError(f"{adv.numel()} advantages for {len(completions)} completions")
-    enc = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    if prompts and not isinstance(prompts[0], str):
+        enc = [list(p) for p in prompts]
+    else:
+        enc = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
     positional = len(prompts) == len(completions)
     pidx = [k if positional else int(_field(c, "prompt_index")) for k, c in enumerate(completions)]
     toks = [list(_field(c, "token_ids")) for c in completions]

@@ -237,7 +237,7 @@ class Trainer:
             raise ValueError(f"step {step}: the rollout batch {rollouts_key} has no samples")
         rewards = torch.tensor(scores["rewards"], dtype=torch.float32)
         adv = group_advantages(rewards, rollouts["group_size"], norm=self.cfg.trainer.advantage_norm)
-        metrics, norm = self._grpo_update(rollouts["prompts"], samples, adv)
+        metrics, norm = self._grpo_update(rollouts.get("prompt_ids") or rollouts["prompts"], samples, adv)
         self.step = step
         train_seconds = time.perf_counter() - t0
         publish = self._publish_next()
@@ -264,7 +264,7 @@ class Trainer:
                 result["metrics"] = {**result.get("metrics", {}), "checkpoint_seconds": ckpt["seconds"]}
         return result
 
-    def _grpo_update(self, prompts: list[str], samples: list[dict[str, Any]],
+    def _grpo_update(self, prompts: list[str] | list[list[int]], samples: list[dict[str, Any]],
                      adv: torch.Tensor) -> tuple[dict[str, float], float]:
         """Collective: ``inner_epochs`` optimizer steps on this rank's rows; (metrics over all ranks, grad norm).
 

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from evals.funcfit import make_problem, train_batch  # noqa: E402
+from evals.funcfit import FuncfitEnv, make_problem  # noqa: E402
 from evals.multiturn import run_episodes, run_tool  # noqa: E402
 from infra.proc import free_port  # noqa: E402
 from infra.config import SandboxConfig, TinyModelConfig  # noqa: E402
@@ -62,7 +62,7 @@ def test_tool_runs_in_the_sandbox(pool: SandboxPool) -> None:
 
 
 def test_episodes_alternate_policy_and_tool(client: "openai.OpenAI", pool: SandboxPool) -> None:
-    problems = train_batch(0, 1, 4) + [make_problem("a*x+b", 2, 1)]
+    problems = FuncfitEnv(seed=0).train_items(1, 4) + [FuncfitEnv.to_item(make_problem("a*x+b", 2, 1))]
     episodes = run_episodes(client, "policy", problems, pool, concurrency=5, max_turns=2, max_tokens=12)
     assert len(episodes) == 5
     for ep in episodes:
