@@ -197,6 +197,6 @@ class HumanEvalEnv:
             formed.append(well_formed)
             reqs.append(TestsRequest(program=to_program(p, code), tests=p["test"],
                                      context=prompt_context(p["prompt"], p["entry_point"]), entry=p["entry_point"]))
-        results = sandbox.run_tests_many(reqs)
+        results = sandbox.run_tests_many(reqs, dedupe=sandbox.cfg.dedupe)
         return [Score(shaped_reward(r.passed, f, self.format_weight), bool(r.passed), r.reason)
                 for r, f in zip(results, formed)]

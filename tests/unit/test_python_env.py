@@ -85,3 +85,29 @@ def test_factory_returning_something_else_names_the_missing_members(outside: Pat
     finally:
         sys.modules.pop("tmp_not_env", None)
     assert len(problems) == 1 and "lacks name, stop, system_prompt" in problems[0]
+
+
+def test_reward_of_your_own_wraps_a_builtin_environment(tmp_path: Path) -> None:
+    folder = tmp_path / "reward_code"
+    folder.mkdir()
+    shutil.copy(EXAMPLE / "my_reward.py", folder / "tmp_short_reward.py")
+    inner = {"type": "reasoning_gym",
+             "tasks": [{"name": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                        "max_digits": 1}}]}
+    cfg = PythonEnvConfig(entry="tmp_short_reward:make", paths=[str(folder)], eval_problems=20,
+                          options={"max_chars": 40, "inner": inner})
+    try:
+        assert check_environment(cfg) == []
+        env = build_environment(cfg)
+    finally:
+        sys.modules.pop("tmp_short_reward", None)
+        while str(folder) in sys.path:
+            sys.path.remove(str(folder))
+    item = env.heldout_items(1)[0]
+    right = f"<answer>{item.answer}</answer>"
+    padded = "Let me think about this carefully. " * 3 + right
+    scores = env.score([item] * 3, [right, padded, "<answer>nonsense</answer>"], None)
+    assert scores[0].reward == 1.0 and scores[0].correct
+    assert scores[1].correct and scores[1].reward == pytest.approx(40 / len(padded))
+    assert scores[2].reward == 0.0 and not scores[2].correct
+    assert {it.id for it in env.heldout_items(20)}.isdisjoint({it.id for it in env.train_items(0, 20)})
