@@ -5,6 +5,7 @@
 
     with create_pool(cfg.sandbox) as pool:
         results = pool.verify_many([VerifyRequest(program, "f", [TestCase([1], 5)])])
+        verdicts = pool.run_tests_many([TestsRequest(program, "assert f(1) == 5\n", entry="f")])
 
 Runtimes (one module each): ``bwrap`` (bubblewrap namespaces, no daemon), ``docker`` (docker SDK,
 one or more daemons), ``unsafe_local`` (no isolation; needs ``allow_unsandboxed``). How a job is
@@ -22,6 +23,8 @@ from infra.sandbox.types import (
     SandboxError,
     SandboxUnusable,
     TestCase,
+    TestsRequest,
+    TestsResult,
     VerifyRequest,
     VerifyResult,
 )
@@ -52,6 +55,8 @@ __all__ = [
     "SandboxPool",
     "SandboxUnusable",
     "TestCase",
+    "TestsRequest",
+    "TestsResult",
     "VerifyRequest",
     "VerifyResult",
     "create_pool",

@@ -18,7 +18,7 @@ be started at all — raises :class:`~infra.sandbox.types.SandboxError` (retryab
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import json
 import math
 import threading
@@ -35,11 +35,15 @@ from infra.sandbox.types import (
     SandboxDied,
     SandboxError,
     SandboxUnusable,
+    TestsRequest,
+    TestsResult,
     VerifyRequest,
     VerifyResult,
 )
 
 T = TypeVar("T")
+Q = TypeVar("Q", VerifyRequest, TestsRequest)
+R = TypeVar("R", VerifyResult, TestsResult)
 _SAMPLES = 20000
 _EWMA = 0.05
 
@@ -67,10 +71,26 @@ def _pct(values: "deque[float] | list[float]", q: float) -> float:
     return data[k]
 
 
-def _request_key(req: VerifyRequest) -> str:
-    """Identity of a verify request: two requests with equal keys run the same job."""
+def _request_key(req: VerifyRequest | TestsRequest) -> str:
+    """Identity of a request: two requests with equal keys run the same job."""
+    if isinstance(req, TestsRequest):
+        return json.dumps(["tests", req.program, req.tests, req.context, req.entry, req.timeout_s])
     tests = [[t.args, t.expected] for t in req.tests]
     return json.dumps([req.program, req.entry, tests, req.timeout_s], sort_keys=True, default=repr)
+
+
+def _run_deduped(reqs: list[Q], run: Callable[[list[Q]], list[R]]) -> list[R]:
+    """``run`` on the distinct requests only; every copy gets its own copy of its result."""
+    first: dict[str, int] = {}
+    unique: list[Q] = []
+    slot: list[int] = []
+    for r in reqs:
+        k = first.setdefault(_request_key(r), len(unique))  # type: ignore[arg-type]
+        if k == len(unique):
+            unique.append(r)
+        slot.append(k)
+    results = run(unique)
+    return [copy.deepcopy(results[k]) for k in slot]
 
 
 class SandboxPool:
@@ -162,19 +182,24 @@ class SandboxPool:
         one prompt from a sharpening policy are often the same text — so this saves most sandbox
         jobs late in a run. Only for deterministic verifiers: a program whose result depends on
         time or randomness is then judged by one run instead of one per copy."""
-        if not dedupe:
-            futures = [self._submit(self._verify_one, r) for r in reqs]
-            return [f.result() for f in futures]
-        first: dict[str, int] = {}
-        unique: list[VerifyRequest] = []
-        slot: list[int] = []
-        for r in reqs:
-            k = first.setdefault(_request_key(r), len(unique))
-            if k == len(unique):
-                unique.append(r)
-            slot.append(k)
-        results = self.verify_many(unique)
-        return [dataclasses.replace(results[k], passed=list(results[k].passed)) for k in slot]
+        if dedupe:
+            return _run_deduped(reqs, self.verify_many)
+        futures = [self._submit(self._verify_one, r) for r in reqs]
+        return [f.result() for f in futures]
+
+    def run_tests_many(self, reqs: list[TestsRequest], dedupe: bool = False) -> list[TestsResult]:
+        """Score every program against its trusted tests; one result per request, in order. Never
+        raises for a job's failure. The verdict is the in-sandbox trusted tester's (see runner.py:
+        the program runs in a separate process and only literal values cross to the tests), read
+        by this trusted process. ``dedupe`` as in :meth:`verify_many`."""
+        if dedupe:
+            return _run_deduped(reqs, self.run_tests_many)
+        futures = [self._submit(self._tests_one, r) for r in reqs]
+        return [f.result() for f in futures]
+
+    def run_tests(self, req: TestsRequest) -> TestsResult:
+        """Score one program against its tests."""
+        return self.run_tests_many([req])[0]
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         """Score one request."""
@@ -210,6 +235,13 @@ class SandboxPool:
         if isinstance(outcome, tuple):
             return protocol.failure_verify(req, *outcome)
         return protocol.to_verify_result(req, outcome)
+
+    def _tests_one(self, t_submit: float, req: TestsRequest) -> TestsResult:
+        job = protocol.run_tests_job(req, req.timeout_s or self.cfg.timeout_s)
+        outcome = self._run(job, t_submit)
+        if isinstance(outcome, tuple):
+            return protocol.failure_tests(*outcome)
+        return protocol.to_tests_result(outcome)
 
     def _exec_one(self, t_submit: float, program: str, timeout_s: float | None) -> ExecResult:
         job = protocol.exec_job(program, timeout_s or self.cfg.timeout_s)

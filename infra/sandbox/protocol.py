@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from infra.sandbox.types import ExecResult, VerifyRequest, VerifyResult
+from infra.sandbox.types import ExecResult, TestsRequest, TestsResult, VerifyRequest, VerifyResult
 
 RUNNER_PATH = Path(__file__).with_name("runner.py")
 RUNNER_SOURCE = RUNNER_PATH.read_text()
@@ -42,6 +42,19 @@ def verify_job(req: VerifyRequest, timeout_s: float) -> dict[str, Any]:
 def exec_job(program: str, timeout_s: float) -> dict[str, Any]:
     """The job message for running ``program`` as ``__main__``."""
     return {"mode": "exec", "program": program, "entry": "", "args": [], "timeout": timeout_s}
+
+
+def run_tests_job(req: TestsRequest, timeout_s: float) -> dict[str, Any]:
+    """The job message for scoring a program against trusted tests (the runner hands the tests to
+    the trusted tester only, never to the process that runs the program)."""
+    return {
+        "mode": "tests",
+        "program": req.program,
+        "tests": req.tests,
+        "context": req.context or "",
+        "entry": req.entry or "",
+        "timeout": timeout_s,
+    }
 
 
 def values_equal(got: Any, expected: Any) -> bool:
@@ -147,6 +160,32 @@ def to_verify_result(req: VerifyRequest, reply: dict[str, Any]) -> VerifyResult:
         passed.append(bool(ok))
     reward = sum(passed) / n if n else 0.0
     return VerifyResult(passed, reward, "ok" if all(passed) else "wrong", **common)
+
+
+#: Tester phases that mean the program or the request could not be tested at all.
+_UNTESTABLE = {"syntax": "syntax", "load_error": "error", "no_entry": "error", "bad_tests": "error"}
+
+
+def to_tests_result(reply: dict[str, Any]) -> TestsResult:
+    """Runner reply → :class:`TestsResult`. Passed only on the tester's own verdict
+    ``{"phase": "tests", "passed": true}`` with exit status 0 and no timeout, output cap, memory
+    kill or runner error; anything else (no verdict, a garbled one, a dead tester) fails."""
+    common = (reply.get("stdout", ""), reply.get("stderr", ""), float(reply.get("run_s", 0.0)))
+    reason = base_reason(reply)
+    payload = _payload(reply)
+    phase = payload.get("phase") if payload else None
+    if reason != "ok":
+        return TestsResult(False, 0.0, reason, *common)
+    if phase == "tests" and payload is not None and payload.get("passed") is True:
+        return TestsResult(True, 1.0, "ok", *common)
+    if phase == "tests" and payload is not None:
+        return TestsResult(False, 0.0, "memory" if payload.get("error") == "MemoryError" else "wrong", *common)
+    return TestsResult(False, 0.0, _UNTESTABLE.get(str(phase), "error"), *common)
+
+
+def failure_tests(reason: str, message: str, wall: float = 0.0) -> TestsResult:
+    """A scored failure for a tests job whose sandbox died or could not run it."""
+    return TestsResult(False, 0.0, reason, "", message, wall)
 
 
 def failure_verify(req: VerifyRequest, reason: str, message: str, wall: float = 0.0) -> VerifyResult:

@@ -12,7 +12,7 @@ from typing import Any
 
 from infra.errors import DeltaloopError
 
-#: Why a job ended. ``wrong`` and ``syntax`` only appear in :class:`VerifyResult`.
+#: Why a job ended. ``wrong`` and ``syntax`` only appear in :class:`VerifyResult` and :class:`TestsResult`.
 REASONS: tuple[str, ...] = ("ok", "timeout", "memory", "output_limit", "killed", "error", "wrong", "syntax")
 
 
@@ -41,6 +41,51 @@ class VerifyResult:
     """Outcome of one :class:`VerifyRequest`; ``reward`` is the fraction of tests passed."""
 
     passed: list[bool]
+    reward: float
+    reason: str
+    stdout_tail: str = ""
+    stderr_tail: str = ""
+    wall_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return asdict(self)
+
+
+@dataclass
+class TestsRequest:
+    """Score ``program`` against trusted assert-style ``tests`` (HumanEval's ``check(candidate)``,
+    MBPP's ``assert f(1) == 2`` lines, or top-level ``test_*`` functions).
+
+    ``context`` is trusted code run before the tests in their namespace (HumanEval's prompt: the
+    helpers its tests use). ``entry`` names the program's function under test, bound also as
+    ``candidate``; it is needed when the tests define ``check``. The program runs in a process of its
+    own; the tests call its functions through stubs whose arguments and return values cross as
+    ``repr`` text decoded with ``ast.literal_eval``, so only literal values (numbers, strings,
+    bytes, None, and tuples/lists/dicts/sets of them) pass between the two.
+    """
+
+    __test__ = False  # not a pytest class
+
+    program: str
+    tests: str
+    context: str = ""
+    entry: str | None = None
+    timeout_s: float | None = None
+
+
+@dataclass
+class TestsResult:
+    """Outcome of one :class:`TestsRequest`: ``passed`` (all tests) and ``reward`` 1.0, or 0.0.
+
+    ``reason``: ``ok``, ``wrong`` (a test failed or raised), ``syntax``, ``timeout``, ``memory``,
+    ``output_limit``, ``killed`` or ``error`` (the program did not load, has no ``entry``, or the
+    tests are unusable). The failing assertion is at the end of ``stderr_tail``.
+    """
+
+    __test__ = False  # not a pytest class
+
+    passed: bool
     reward: float
     reason: str
     stdout_tail: str = ""
