@@ -8,7 +8,8 @@ learns to answer in the expected shape, then to answer right.
 
 The comparisons (:func:`exact_match`, :func:`numeric_match`, :func:`math_match`, :func:`regex_match`)
 never execute model output: they compare text, parse numbers, or hand both sides to the
-``math-verify`` package (which parses with sympy, no ``eval``).
+``math-verify`` package (which parses with sympy, no ``eval``; in a helper process bounded in time
+and memory, :mod:`evals.mathcheck`).
 """
 
 from __future__ import annotations
@@ -128,30 +129,14 @@ def numeric_match(answer: str, reference: str, tolerance: float = 1e-6) -> bool:
     return abs(a - r) <= tolerance * max(1.0, abs(r))
 
 
-MATH_MAX_CHARS = 256
-
-
 def math_match(answer: str, reference: str) -> bool:
     """Mathematical equivalence by the ``math-verify`` package (LaTeX or plain expressions).
 
-    math-verify bounds its sympy work with ``SIGALRM``, which only the main thread may use; off the
-    main thread (Prefect runs tasks in worker threads) the alarm is off, so answers longer than
-    :data:`MATH_MAX_CHARS` are wrong without being parsed (a bounded input keeps sympy bounded)."""
-    import threading
+    Safe from any thread and on hostile input: the comparison runs in a helper process bounded in
+    time and memory (:mod:`evals.mathcheck`); batches go through :func:`evals.mathcheck.math_match_many`."""
+    from evals.mathcheck import math_match_many
 
-    from math_verify import parse, verify
-
-    if len(answer) > MATH_MAX_CHARS:
-        return False
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    try:
-        gold = parse(reference if "$" in reference or "\\" in reference else f"${reference}$",
-                     parsing_timeout=timeout)  # type: ignore[arg-type]
-        pred = parse(answer if "$" in answer or "\\" in answer else f"${answer}$",
-                     parsing_timeout=timeout)  # type: ignore[arg-type]
-        return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=timeout))
-    except Exception:  # a parser failure on model output is a wrong answer, not a crash of the scorer
-        return False
+    return math_match_many([(answer, reference)])[0]
 
 
 def regex_match(answer: str, pattern: str) -> bool:

@@ -124,7 +124,10 @@ class DatasetEnvConfig(_EnvBase):
     type: Literal["dataset"] = "dataset"
     path: str = Field(..., min_length=1, description="A .jsonl/.json/.parquet/.csv file or a saved dataset folder.")
     heldout_path: str | None = Field(None, description="A second file for the held-out split (else split by fraction).")
-    heldout_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Share of rows held out (by a hash of the id).")
+    heldout_fraction: float = Field(
+        0.2, gt=0.0, le=1.0,
+        description="Share of rows held out (by a hash of the id); 1.0 = all of them (an eval suite, no train split).",
+    )
     columns: DatasetColumns = Field(default_factory=DatasetColumns)
     scorer: Literal["exact", "numeric", "math", "regex", "python_tests"] = Field(
         "exact",
@@ -136,6 +139,18 @@ class DatasetEnvConfig(_EnvBase):
     prompt_template: str = Field(
         "{prompt}", max_length=8000, description="Text around a plain prompt; '{prompt}' is replaced by the column."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _code_answers_for_tests(cls, data: Any) -> Any:
+        """python_tests answers are code: the first fenced block unless env.answer.extract says otherwise."""
+        if isinstance(data, dict) and data.get("scorer") == "python_tests":
+            answer = data.get("answer")
+            if answer is None:
+                return {**data, "answer": {"extract": "code_block"}}
+            if isinstance(answer, dict) and "extract" not in answer:
+                return {**data, "answer": {**answer, "extract": "code_block"}}
+        return data
 
     @model_validator(mode="after")
     def _columns_for_scorer(self) -> "DatasetEnvConfig":
