@@ -94,9 +94,15 @@ class MathChecker:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
+        self._pid = os.getpid()  # a forked copy of this client must not share the parent's helper
         self._buf = b""
         self._lock = threading.Lock()
         self.kills = 0  # comparisons that ran past the deadline (the helper was killed)
+
+    @property
+    def helper_pid(self) -> int | None:
+        """The running helper's process id (None before first use or after a kill)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     def _start(self) -> subprocess.Popen[bytes]:
         root = str(Path(__file__).resolve().parents[1])
@@ -137,6 +143,8 @@ class MathChecker:
         """The verdict on each ``(answer, reference)``; an answer past the deadline is wrong."""
         out: list[bool] = []
         with self._lock:
+            if self._pid != os.getpid():
+                self._proc, self._pid = None, os.getpid()
             for answer, reference in pairs:
                 if len(answer) > MATH_MAX_CHARS:
                     out.append(False)
@@ -157,9 +165,11 @@ class MathChecker:
         return out
 
     def close(self) -> None:
-        """Stop the helper process (it also ends by itself when this process exits)."""
+        """Stop this process's helper (it also ends by itself when this process exits); a forked
+        copy of the client leaves its parent's helper alone."""
         with self._lock:
-            self._kill()
+            if self._pid == os.getpid():
+                self._kill()
 
 
 _CHECKER = MathChecker()

@@ -115,3 +115,29 @@ def test_math_helper_past_the_deadline_is_killed_and_replaced(monkeypatch: pytes
         assert checker.kills == 1
     finally:
         checker.close()
+
+
+def test_a_forked_process_gets_its_own_math_helper() -> None:
+    """A fork (a process pool, a forking server) must not talk to its parent's helper process."""
+    import os
+
+    checker = MathChecker()
+    try:
+        assert checker.check_many([("1/2", "0.5")]) == [True]
+        helper = checker.helper_pid
+        pid = os.fork()
+        if pid == 0:  # the child: closing first must spare the parent's helper; then its own, right answers
+            code = 1
+            try:
+                checker.close()
+                code = 0 if checker.check_many([("2x+x^2", "x^2+2x"), ("3", "4")]) == [True, False] else 1
+                checker.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert helper is not None and checker.helper_pid == helper  # the parent's helper is untouched
+        assert checker.check_many([("\\frac{1}{4}", "0.25")]) == [True]
+        assert checker.kills == 0
+    finally:
+        checker.close()
