@@ -183,8 +183,8 @@ def _load_file(path: Path) -> Any:
             raise ValueError(f"{path} is not a readable {fmt} file: {why}") from None
 
 
-def read_table(path: str) -> tuple[list[dict[str, Any]], list[str], str]:
-    """Rows (as dicts), column names and a description of what was read from ``path``."""
+def read_table(path: str) -> tuple[Any, str]:
+    """The ``datasets.Dataset`` at ``path`` (not empty) and a description of what was read."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ValueError(f"{path}: no such file or folder")
@@ -194,7 +194,7 @@ def read_table(path: str) -> tuple[list[dict[str, Any]], list[str], str]:
         raise ValueError(f"{path} is not readable ({exc.strerror})") from None
     if len(data) == 0:
         raise ValueError(f"{source} has no rows")
-    return data.to_list(), list(data.column_names), source
+    return data, source
 
 
 # ----------------------------------------------------------------------------------------- columns
@@ -317,8 +317,13 @@ class DatasetEnv:
     def from_config(cls, cfg: "DatasetEnvConfig") -> "DatasetEnv":
         """From an ``env`` config section of type dataset (reads the file(s) now: errors name them)."""
         def rows_of(path: str, prefix: str) -> tuple[list[Row], str]:
-            records, existing, source = read_table(path)
-            return to_rows(records, existing, source, cfg.columns, cfg.scorer, cfg.prompt_template, prefix), source
+            data, source = read_table(path)
+            existing = list(data.column_names)
+            _check_columns(cfg.columns, cfg.scorer, existing, source)
+            c = cfg.columns
+            used = [n for n in dict.fromkeys((c.prompt, c.answer, c.tests, c.id, c.entry)) if n and n in existing]
+            records = data.select_columns(used).to_list()  # only the mapped columns become Python objects
+            return to_rows(records, existing, source, c, cfg.scorer, cfg.prompt_template, prefix), source
 
         rows, source = rows_of(cfg.path, "")
         if cfg.heldout_path:
