@@ -11,8 +11,6 @@ bwrap/dockerd is a failure, not a skip.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +19,10 @@ import pytest
 from evals.dataset import DatasetEnv
 from evals.env import Item
 from evals.registry import build_environment, check_environment
-from infra.config import DatasetEnvConfig, SandboxConfig
-from infra.sandbox import SandboxError, SandboxPool, create_pool
+from infra.config import DatasetEnvConfig
+from infra.sandbox import SandboxPool
+from tests.sandbox_helpers import RUNTIMES, running_pool
 
-RUNTIMES = ["bwrap", pytest.param("docker", marks=pytest.mark.docker)]
 VERDICT = '{"phase": "tests", "passed": true, "reward": 1.0, "reason": "ok"}'
 ROWS = [
     {"task_id": 1, "text": "Write a function add(a, b) that returns the sum of a and b.",
@@ -68,26 +66,10 @@ HOSTILE = {
 }
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"sandbox runtime unavailable on CI: {why}")
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="module", params=RUNTIMES)
 def pool(request: pytest.FixtureRequest) -> Iterator[SandboxPool]:
-    runtime = request.param
-    if runtime == "bwrap" and shutil.which("bwrap") is None:
-        _unavailable("bubblewrap is not installed (run scripts/setup_sandbox.sh)")
-    cfg = SandboxConfig(runtime=runtime, concurrency=2, min_warm=2, max_warm=4, timeout_s=20.0,
-                        memory_mb=256, pids=32, output_limit_bytes=65536, idle_timeout_s=60)
-    try:
-        p = create_pool(cfg).start()
-    except SandboxError as exc:
-        _unavailable(f"{runtime}: {exc}")
-        raise
-    yield p
-    p.close()
+    with running_pool(request.param) as p:
+        yield p
 
 
 def _env(tmp_path: Path, **answer: object) -> DatasetEnv:

@@ -5,8 +5,6 @@ a failure, not a skip."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -14,27 +12,14 @@ import pytest
 from evals.env import Item
 from evals.humaneval import HumanEvalEnv
 from evals.registry import build_environment
-from infra.config import HumanEvalEnvConfig, SandboxConfig
-from infra.sandbox import SandboxError, SandboxPool, create_pool
+from infra.config import HumanEvalEnvConfig
+from infra.sandbox import SandboxPool
+from tests.sandbox_helpers import open_pool, running_pool
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"sandbox runtime unavailable on CI: {why}")
-    pytest.skip(why)
-
-
-def _open_pool(runtime: str) -> SandboxPool:
-    if runtime == "bwrap" and shutil.which("bwrap") is None:
-        _unavailable("bubblewrap is not installed (run scripts/setup_sandbox.sh)")
-    # HumanEval's own harness allows 3 s per problem; a loaded 2-core CI machine gets more
-    cfg = SandboxConfig(runtime=runtime, concurrency=2, min_warm=2, max_warm=4, timeout_s=20.0,  # type: ignore[arg-type]
-                        memory_mb=512, pids=32, idle_timeout_s=120)
-    try:
-        return create_pool(cfg).start()
-    except SandboxError as exc:
-        _unavailable(f"{runtime}: {exc}")
-        raise
+# The shared settings (HumanEval's own harness allows 3 s per problem; the shared 20 s leaves room for a
+# loaded 2-core CI machine) with more memory and a longer idle timeout.
+POOL: dict[str, object] = dict(memory_mb=512, idle_timeout_s=120)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +31,8 @@ def env() -> HumanEvalEnv:
 
 @pytest.fixture(scope="module")
 def bwrap_pool() -> Iterator[SandboxPool]:
-    pool = _open_pool("bwrap")
-    yield pool
-    pool.close()
+    with running_pool("bwrap", **POOL) as pool:
+        yield pool
 
 
 def _canonical(env: HumanEvalEnv, item: Item) -> dict[str, str]:
@@ -103,7 +87,8 @@ def test_format_weight_rewards_a_fenced_block(bwrap_pool: SandboxPool) -> None:
 
 @pytest.mark.docker
 def test_one_problem_in_docker(env: HumanEvalEnv) -> None:
-    pool = _open_pool("docker")
+    # Closed without assert_no_sandbox_left: the module's bwrap pool still runs sandboxes as that uid.
+    pool = open_pool("docker", **POOL)
     try:
         item = env.problem("HumanEval/32")  # find_zero: the tests call the prompt's helper poly()
         it = next(i for i in env.heldout_items(164) if i.id == item["task_id"])

@@ -15,24 +15,21 @@ uvicorn = pytest.importorskip("uvicorn")
 from evals.funcfit import FuncfitEnv, make_problem  # noqa: E402
 from evals.multiturn import run_episodes, run_tool  # noqa: E402
 from infra.proc import free_port  # noqa: E402
-from infra.config import SandboxConfig, TinyModelConfig  # noqa: E402
+from infra.config import TinyModelConfig  # noqa: E402
 from infra.model import build_tiny_model, build_tokenizer  # noqa: E402
 from infra.rollout.local import LocalEngine  # noqa: E402
 from infra.rollout.openai_api import create_app  # noqa: E402
-from infra.sandbox import SandboxError, SandboxPool, create_pool  # noqa: E402
+from infra.sandbox import SandboxPool  # noqa: E402
+from tests.sandbox_helpers import running_pool  # noqa: E402
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=512)
 
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[SandboxPool]:
-    try:
-        p = create_pool(SandboxConfig(runtime="bwrap", concurrency=2, min_warm=1, max_warm=2))
-        p.start()
-    except SandboxError as exc:
-        pytest.skip(f"bwrap sandboxes unavailable: {exc}")
-    yield p
-    p.close()
+    # SandboxConfig's default 2 s job timeout: an expression of the random policy that hangs costs 2 s, not 20.
+    with running_pool("bwrap", min_warm=1, max_warm=2, timeout_s=2.0) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ On CI (``CI=true``) a missing bwrap/dockerd is a failure, not a skip.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import threading
 import time
@@ -18,78 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import SandboxConfig
-from infra.sandbox import SandboxError, SandboxPool, TestCase, VerifyRequest, create_pool
+from infra.sandbox import SandboxPool, TestCase, VerifyRequest
+from tests.sandbox_helpers import RUNTIMES, open_pool, running_pool
 
 GOOD = "def f(x):\n    return 2*x+3\n"
 SECRET = "deltaloop-test-secret-7f3a"
 
 
-def _unavailable(why: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"sandbox runtime unavailable on CI: {why}")
-    pytest.skip(why)
-
-
-def _config(runtime: str, **kw: object) -> SandboxConfig:
-    # A generous default timeout: programs that should finish must never be cut short by a loaded CI
-    # machine; the hanging ones below set their own short timeouts.
-    base: dict[str, object] = dict(runtime=runtime, concurrency=2, min_warm=2, max_warm=4, timeout_s=20.0,
-                                   memory_mb=256, pids=32, output_limit_bytes=65536, idle_timeout_s=60)
-    base.update(kw)
-    return SandboxConfig(**base)  # type: ignore[arg-type]
-
-
-def _open_pool(runtime: str, **kw: object) -> SandboxPool:
-    if runtime == "bwrap" and shutil.which("bwrap") is None:
-        _unavailable("bubblewrap is not installed (run scripts/setup_sandbox.sh)")
-    try:
-        return create_pool(_config(runtime, **kw)).start()
-    except SandboxError as exc:
-        _unavailable(f"{runtime}: {exc}")
-        raise
-
-
-RUNTIMES = ["bwrap", pytest.param("docker", marks=pytest.mark.docker)]
-
-
 @pytest.fixture(scope="module", params=RUNTIMES)
 def pool(request: pytest.FixtureRequest) -> Iterator[SandboxPool]:
     os.environ["DELTALOOP_TEST_SECRET"] = SECRET  # must never be visible inside
-    p = _open_pool(request.param)
-    p.runtime_name = request.param  # type: ignore[attr-defined]
-    yield p
-    p.close()
-    _assert_nothing_left(request.param)
-
-
-def _assert_nothing_left(runtime: str) -> None:
-    """After close(): no sandbox process (uid 65534 on this host) and no labelled container remain."""
-    deadline = time.monotonic() + 30
-    while True:
-        left = [pid for pid in _pids_of_uid(65534)]
-        if runtime == "docker":
-            import docker
-
-            client = docker.from_env()
-            left += [c.id for c in client.containers.list(all=True, filters={"label": "org.deltaloop.sandbox"})
-                     if c.labels.get("org.deltaloop.sandbox.owner", "").endswith(f":{os.getpid()}")]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not left, f"sandbox processes/containers survived close(): {left}"
-
-
-def _pids_of_uid(uid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    out.append(int(name))
-            except OSError:
-                continue
-    return out
+    with running_pool(request.param) as p:
+        yield p
 
 
 def _host_procs_with_arg(arg: str) -> list[int]:
@@ -291,7 +230,7 @@ def test_thousand_jobs_with_ten_percent_failures_none_lost(pool: SandboxPool) ->
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_recycled_sandbox_starts_clean(runtime: str) -> None:
-    p = _open_pool(runtime, concurrency=1, min_warm=1, max_warm=1, max_jobs_per_sandbox=3)
+    p = open_pool(runtime, concurrency=1, min_warm=1, max_warm=1, max_jobs_per_sandbox=3)
     try:
         dirty = (
             "import os, sys\n"

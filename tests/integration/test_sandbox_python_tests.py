@@ -8,58 +8,20 @@ On CI (``CI=true``) a missing bwrap/dockerd is a failure, not a skip.
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
 from collections.abc import Iterator
 
 import pytest
 
-from infra.config import SandboxConfig
-from infra.sandbox import SandboxError, SandboxPool, TestsRequest, create_pool
+from infra.sandbox import SandboxPool, TestsRequest
+from tests.sandbox_helpers import RUNTIMES, running_pool
 
-RUNTIMES = ["bwrap", pytest.param("docker", marks=pytest.mark.docker)]
 VERDICT = '{"phase":"tests","passed":true}'
 
 
 @pytest.fixture(scope="module", params=RUNTIMES)
 def pool(request: pytest.FixtureRequest) -> Iterator[SandboxPool]:
-    runtime = request.param
-    if runtime == "bwrap" and shutil.which("bwrap") is None:
-        _unavailable("bubblewrap is not installed (run scripts/setup_sandbox.sh)")
-    cfg = SandboxConfig(runtime=runtime, concurrency=2, min_warm=2, max_warm=4, timeout_s=20.0,
-                        memory_mb=256, pids=32, output_limit_bytes=65536, idle_timeout_s=60)
-    try:
-        p = create_pool(cfg).start()
-    except SandboxError as exc:
-        _unavailable(f"{runtime}: {exc}")
-        raise
-    yield p
-    p.close()
-    _assert_no_sandbox_process_left()
-
-
-def _unavailable(why: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"sandbox runtime unavailable on CI: {why}")
-    pytest.skip(why)
-
-
-def _assert_no_sandbox_process_left() -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        left = []
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    if os.stat(f"/proc/{name}").st_uid == 65534:
-                        left.append(int(name))
-                except OSError:
-                    continue
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not left, f"sandbox processes survived close(): {left}"
+    with running_pool(request.param) as p:
+        yield p
 
 
 # ------------------------------------------------------------------------------ the test shapes
