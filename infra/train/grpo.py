@@ -66,6 +66,24 @@ def merge_duplicates(completions: "list[Completion] | list[dict[str, Any]]") -> 
     return keep, counts
 
 
+def drop_zero_advantage(keep: list[int], counts: list[int], advantages: "torch.Tensor",
+                        kl_coef: float) -> tuple[list[int], list[int], int]:
+    """Rows of ``keep`` (with their ``counts``) whose advantage is non-zero, and how many were dropped.
+
+    Without a KL term a zero-advantage token's loss is exactly 0 (``-min(r * 0, clip(r) * 0)``), so
+    its row adds nothing to the gradient: skipping its forward and backward gives the same update for
+    less compute — in GRPO every group whose samples all score alike (all right or all wrong, common
+    early and late in a run) is such a group. The token normaliser is the whole batch's either way.
+    With ``kl_coef > 0`` every row is kept (the KL penalty has a gradient). If no row is left, one row
+    is kept with count 0 (a zero-weight row: every rank still runs its micro-batches)."""
+    if kl_coef > 0:
+        return keep, counts, 0
+    nz = [j for j, k in enumerate(keep) if float(advantages[k]) != 0.0]
+    if not nz:
+        return keep[:1], [0], len(keep)
+    return [keep[j] for j in nz], [counts[j] for j in nz], len(keep) - len(nz)
+
+
 def _field(c: Any, name: str) -> Any:
     return c[name] if isinstance(c, dict) else getattr(c, name)
 

@@ -268,15 +268,17 @@ class Trainer:
                      adv: torch.Tensor) -> tuple[dict[str, float], float]:
         """Collective: ``inner_epochs`` optimizer steps on this rank's rows; (metrics over all ranks, grad norm).
 
-        Identical samples of one prompt train as one weighted row (same gradient, less compute); the
-        distinct rows are dealt to the ranks round-robin. Every rank runs the same number of
+        Identical samples of one prompt train as one weighted row (same gradient, less compute), rows
+        whose advantage is zero are not computed at all (:func:`~infra.train.grpo.drop_zero_advantage`);
+        the distinct rows are dealt to the ranks round-robin. Every rank runs the same number of
         micro-batches (FSDP/ZeRO-3 gather weights in each forward); a rank short of rows runs a
         zero-weight row instead."""
-        from infra.train.grpo import build_batch, grpo_loss, merge_duplicates
+        from infra.train.grpo import build_batch, drop_zero_advantage, grpo_loss, merge_duplicates
 
         tcfg = self.cfg.trainer
         keep, counts = merge_duplicates(samples) if tcfg.merge_duplicates else (
             list(range(len(samples))), [1] * len(samples))
+        keep, counts, skipped = drop_zero_advantage(keep, counts, adv, tcfg.kl_coef)
         mine = list(range(self.rank, len(keep), self.world))
         idx = [keep[j] for j in mine]
         weight = [float(counts[j]) for j in mine]
@@ -304,7 +306,8 @@ class Trainer:
                     metrics_acc[k] = metrics_acc.get(k, 0.0) + float(v) * (1.0 if k in ("loss", "tokens") else m["tokens"])
             norm = self.engine.step()
         metrics = self._reduce_metrics(metrics_acc)
-        metrics["rows_trained"] = float(len(keep))
+        metrics["rows_trained"] = float(len(keep) if any(counts) else 0)
+        metrics["rows_skipped_zero_advantage"] = float(skipped)
         return metrics, norm
 
     def _reduce_metrics(self, acc: dict[str, float]) -> dict[str, float]:

@@ -11,7 +11,8 @@ from infra.config import TinyModelConfig, WarmstartConfig  # noqa: E402
 from infra.model import build_tiny_model, build_tokenizer  # noqa: E402
 from infra.rollout.engine import SamplingParams  # noqa: E402
 from infra.rollout.local import LocalEngine  # noqa: E402
-from infra.train.grpo import build_batch, group_advantages, grpo_loss, merge_duplicates, token_logprobs  # noqa: E402
+from infra.train.grpo import (build_batch, drop_zero_advantage, group_advantages, grpo_loss,  # noqa: E402
+                              merge_duplicates, token_logprobs)
 from infra.train.sft import sft_batch, sft_loss, warmstart  # noqa: E402
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position=128)
@@ -102,6 +103,22 @@ def test_merged_duplicates_give_the_same_gradient() -> None:
     zero = build_batch(tok, PROMPTS, [dup[0]], adv[:1], [0.0])  # the padding row of a short rank
     loss_z, _ = grpo_loss(model, zero, total_tokens=total)
     assert loss_z.item() == 0.0
+
+
+def test_zero_advantage_rows_are_skipped_with_the_same_gradient() -> None:
+    tok, model, comps = _setup()
+    adv = group_advantages([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0], 4)  # group 0 all alike: advantage 0
+    keep, counts, skipped = drop_zero_advantage(list(range(8)), [1] * 8, adv, kl_coef=0.0)
+    assert keep == [4, 5, 6, 7] and counts == [1] * 4 and skipped == 4
+    full = build_batch(tok, PROMPTS, comps, adv)
+    total = float(full["completion_mask"].sum())
+    g_full = torch.autograd.grad(grpo_loss(model, full, total_tokens=total)[0], list(model.parameters()))
+    part = build_batch(tok, PROMPTS, [comps[i] for i in keep], adv[keep], counts)
+    g_part = torch.autograd.grad(grpo_loss(model, part, total_tokens=total)[0], list(model.parameters()))
+    for a, b in zip(g_full, g_part):
+        assert torch.allclose(a, b, atol=1e-7)
+    assert drop_zero_advantage(list(range(8)), [1] * 8, adv, kl_coef=0.1) == (list(range(8)), [1] * 8, 0)
+    assert drop_zero_advantage([0, 1], [2, 1], torch.zeros(2), kl_coef=0.0) == ([0], [0], 2)
 
 
 def test_kl_to_reference() -> None:
