@@ -94,13 +94,16 @@ def build_batch(
     completions: "list[Completion] | list[dict[str, Any]]",
     advantages: "torch.Tensor | list[float]",
     weights: "torch.Tensor | list[float] | None" = None,
+    positional: bool = False,
 ) -> dict[str, "torch.Tensor"]:
     """Right-padded training tensors for completions (``Completion`` objects or their dicts).
 
     ``prompts`` are plain text (tokenized here, special tokens added) or token ids as the rollout
     worker rendered them (a chat template: the ids the policy was sampled from, used as they are).
-    If ``len(prompts) == len(completions)`` the prompts are taken positionally (one per completion,
-    e.g. a shard); otherwise completion k's prompt is ``prompts[completions[k].prompt_index]``.
+    Completion k's prompt is ``prompts[completions[k].prompt_index]``, or ``prompts[k]`` with
+    ``positional=True`` (one prompt per completion, e.g. a shard). The choice is the caller's: a rule
+    guessed from the lengths would silently pair a shard with the wrong prompts whenever it happens to
+    hold as many rows as the batch has prompts.
 
     Returns ``input_ids``/``attention_mask`` [B, L] (prompt + completion tokens), ``completion_mask``
     and ``old_logprobs`` [B, L] aligned with the token they score (position t holds the token
@@ -115,7 +118,8 @@ def build_batch(
         enc = [list(p) for p in prompts]
     else:
         enc = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
-    positional = len(prompts) == len(completions)
+    if positional and len(prompts) != len(completions):
+        raise ValueError(f"positional: {len(prompts)} prompts for {len(completions)} completions")
     pidx = [k if positional else int(_field(c, "prompt_index")) for k, c in enumerate(completions)]
     toks = [list(_field(c, "token_ids")) for c in completions]
     lps = [list(_field(c, "logprobs")) for c in completions]

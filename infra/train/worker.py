@@ -294,7 +294,7 @@ class Trainer:
                 if not chunk:
                     chunk, w = [keep[0]], [0.0]
                 batch = build_batch(self.tokenizer, [prompts[samples[i]["prompt_index"]] for i in chunk],
-                                    [samples[i] for i in chunk], adv[chunk], w)
+                                    [samples[i] for i in chunk], adv[chunk], w, positional=True)
                 with self.engine.autocast():
                     loss, m = grpo_loss(
                         self.engine.module, batch, clip_eps=tcfg.clip_eps, clip_eps_high=tcfg.clip_eps_high,

@@ -74,7 +74,8 @@ def test_shards_sum_to_global_token_mean() -> None:
     g_full = torch.autograd.grad(loss, list(model.parameters()))
     g_sum = [torch.zeros_like(g) for g in g_full]
     for shard in (list(range(0, 8, 2)), list(range(1, 8, 2))):  # rank-strided shards, prompts positional
-        b = build_batch(tok, [PROMPTS[comps[i].prompt_index] for i in shard], [comps[i] for i in shard], adv[shard])
+        b = build_batch(tok, [PROMPTS[comps[i].prompt_index] for i in shard], [comps[i] for i in shard], adv[shard],
+                        positional=True)
         l_s, _ = grpo_loss(model, b, total_tokens=total)
         for acc, g in zip(g_sum, torch.autograd.grad(l_s, list(model.parameters()))):
             acc += g
@@ -103,6 +104,17 @@ def test_merged_duplicates_give_the_same_gradient() -> None:
     zero = build_batch(tok, PROMPTS, [dup[0]], adv[:1], [0.0])  # the padding row of a short rank
     loss_z, _ = grpo_loss(model, zero, total_tokens=total)
     assert loss_z.item() == 0.0
+
+
+def test_prompts_by_index_unless_positional() -> None:
+    tok, _, comps = _setup()
+    rows = [comps[4], comps[0]]  # two rows, as many as there are prompts, of prompts 1 and 0
+    by_index = build_batch(tok, PROMPTS, rows, [0.0, 0.0])
+    assert by_index["input_ids"][0, 1:1 + len(PROMPTS[1])].tolist() == tok(PROMPTS[1])["input_ids"][1:]
+    shard = build_batch(tok, [PROMPTS[1], PROMPTS[0]], rows, [0.0, 0.0], positional=True)
+    assert torch.equal(by_index["input_ids"], shard["input_ids"])
+    with pytest.raises(ValueError, match="positional"):
+        build_batch(tok, PROMPTS, comps, [0.0] * 8, positional=True)
 
 
 def test_zero_advantage_rows_are_skipped_with_the_same_gradient() -> None:
