@@ -2,9 +2,9 @@
 
 Each task is a procedural dataset (``reasoning_gym.create_dataset(name, seed=, size=, **config)``)
 whose item ``i`` is a pure function of (seed, i, config). Two datasets per task, with seeds derived
-from ``env.seed`` and the task name: the **held-out** one (its first items, in a fixed weighted
-interleaving of the tasks, so ``heldout_items(n)`` is always a prefix of one list) and the **train**
-one (random indices drawn per step from a 2**31-item range). A train item whose question text equals
+from ``env.seed`` and the task name: the **held-out** one (walked in order for ``env.eval_problems``
+distinct questions, in a fixed weighted interleaving of the tasks, so ``heldout_items(n)`` is always
+a prefix of one list) and the **train** one (random indices drawn per step from a 2**31-item range). A train item whose question text equals
 a held-out question is skipped, so the splits are disjoint even for easy tasks with few distinct
 problems.
 
@@ -81,10 +81,10 @@ class ReasoningGymEnv:
         self.extract, self.format_weight = extract, format_weight
         self.system_prompt = default_system_prompt(extract) if system_prompt is None else system_prompt
         self.stop = tuple(stop)
-        self._order = self._heldout_order(heldout_size)
-        self._heldout_questions: set[str] | None = None
         for name, _, _ in self.tasks:  # fail now (preflight) on an unknown task or a bad config
             self._data(name, "heldout")[0]
+        self._heldout_questions: set[str] = set()
+        self._order = self._heldout_order(heldout_size)
 
     @classmethod
     def from_config(cls, cfg: "ReasoningGymEnvConfig") -> "ReasoningGymEnv":
@@ -96,18 +96,31 @@ class ReasoningGymEnv:
     # ------------------------------------------------------------------------------ splits
     def _data(self, task: str, split: str) -> Any:
         config = next(c for n, _, c in self.tasks if n == task)
-        size = self.heldout_size if split == "heldout" else TRAIN_SIZE
-        return make_dataset(task, _seed(self.seed, task, split), size, config)
+        return make_dataset(task, _seed(self.seed, task, split), TRAIN_SIZE, config)
 
     def _heldout_order(self, n: int) -> list[tuple[str, int]]:
-        """(task, index) of the held-out list: each slot goes to the task furthest below its weighted
-        share so far (smooth weighted round-robin), so every prefix is mixed as the weights say."""
+        """(task, index) of the held-out list: ``n`` distinct questions. Each slot goes to the task
+        furthest below its weighted share so far (smooth weighted round-robin), so every prefix is
+        mixed as the weights say; a task's held-out dataset is walked in order, skipping a question
+        already on the list (easy tasks repeat themselves), so the held-out problems are all different."""
         total = sum(w for _, w, _ in self.tasks)
         counts = {t: 0 for t, _, _ in self.tasks}
+        cursor = {t: 0 for t, _, _ in self.tasks}
         out: list[tuple[str, int]] = []
         for k in range(n):
             task = max(self.tasks, key=lambda t: (k + 1) * t[1] / total - counts[t[0]])[0]
-            out.append((task, counts[task]))
+            data = self._data(task, "heldout")
+            for _attempt in range(MAX_REDRAWS):
+                index = cursor[task]
+                cursor[task] += 1
+                question = _norm(str(data[index]["question"]))
+                if question not in self._heldout_questions:
+                    break
+            else:
+                raise ValueError(f"reasoning_gym task {task!r} has fewer than {counts[task] + 1} distinct problems "
+                                 f"for its share of env.eval_problems = {n}; lower it or widen the task's config")
+            self._heldout_questions.add(question)
+            out.append((task, index))
             counts[task] += 1
         return out
 
@@ -120,17 +133,11 @@ class ReasoningGymEnv:
         """The first ``n`` held-out items (at most ``env.eval_problems``)."""
         return [self._item(t, "heldout", i) for t, i in self._order[: min(n, len(self._order))]]
 
-    def _heldout_set(self) -> set[str]:
-        if self._heldout_questions is None:
-            self._heldout_questions = {_norm(it.prompt) for it in self.heldout_items(self.heldout_size)
-                                       if isinstance(it.prompt, str)}
-        return self._heldout_questions
-
     def train_items(self, step: int, n: int) -> list[Item]:
         """``n`` training items for ``step``: tasks drawn by weight, indices at random, no held-out question."""
         rng = random.Random(_seed(self.seed, "train-step", step))
         names, weights = [t for t, _, _ in self.tasks], [w for _, w, _ in self.tasks]
-        held = self._heldout_set()
+        held = self._heldout_questions
         out: list[Item] = []
         for _ in range(n):
             task = rng.choices(names, weights)[0]

@@ -3,7 +3,9 @@
 The candidate is always registered (so a rejected model can still be inspected and promoted by
 hand); its ``deltaloop.status`` tag says ``promoted`` or ``rejected`` and ``deltaloop.reason`` why.
 The gate compares per-problem rewards on the same held-out suite when the champion's eval report is
-available (it is logged as ``eval/final.json`` on every run), else the recorded mean scores; guard
+available (it is logged as ``eval/final.json`` on every run), else the recorded mean score of the
+same suite; a champion evaluated on another suite (another task, size or decoding) is not compared
+at all: the candidate is registered but not promoted, and ``deltaloop gate`` evaluates both; guard
 suites (per-group slices) and the CI level come from ``promote`` (see ``infra/stages/gate.py``). With
 ``promote.no_regression`` every guard suite of ``eval.suites`` that the champion's run also evaluated
 may not be significantly worse (:func:`evals.gate.check_suite_regressions`).
@@ -16,7 +18,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from evals.gate import check_suite_regressions, veto_regressions
+from evals.gate import GateDecision, check_suite_regressions, veto_regressions
 from infra.registry import Registry
 from infra.stages.context import Cluster, RunContext
 from infra.stages.evaluate import run_suites, suite_report_key
@@ -33,7 +35,9 @@ def champion_rewards(reg: Registry, alias: str, suite: str, problem_ids: list[st
     rewards = None
     if rep.get("suite") == suite and rep.get("problem_ids") == problem_ids:
         rewards = [float(x) for x in rep["rewards"]]
-    return rewards, champ.score("eval_score"), champ.version
+    # a recorded mean is comparable only on the same suite (another task or size says nothing here)
+    same_suite = champ.tags.get("eval_suite") in (None, suite)
+    return rewards, champ.score("eval_score") if same_suite else None, champ.version
 
 
 def champion_report(reg: Registry, run_id: str | None) -> dict[str, Any]:
@@ -70,8 +74,14 @@ def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, s
     reg = Registry(cfg.resolved_tracking_uri(), cfg.tracking.registered_model)
     champ_rewards, champ_score, champ_version = champion_rewards(reg, cfg.promote.alias, report["suite"],
                                                                  report["problem_ids"])
-    decision = gate_rewards(report["problem_ids"], report["rewards"], champ_rewards, cfg.promote,
-                            champion_score=champ_score)
+    if champ_version is not None and champ_rewards is None and champ_score is None:
+        decision = GateDecision(
+            False, f"the champion (version {champ_version}) was evaluated on another suite than {report['suite']}: "
+            "not comparable; `deltaloop gate VERSION` evaluates both on this run's suite",
+            report["score"], None, confidence=cfg.promote.confidence, margin=cfg.promote.margin)
+    else:
+        decision = gate_rewards(report["problem_ids"], report["rewards"], champ_rewards, cfg.promote,
+                                champion_score=champ_score)
     champ = reg.alias(cfg.promote.alias)
     if cfg.promote.no_regression and champ is not None and report["suites"]:
         champ_suites = champion_report(reg, champ.run_id).get("suites") or {}

@@ -73,6 +73,7 @@ def test_reasoning_gym_splits_mix_and_disjointness() -> None:
     assert [i.id for i in held] == [i.id for i in build_environment(load_config(None, RG).env).heldout_items(40)]
     assert sum(1 for i in held if i.group == "gcd") == 30  # weights 1:3
     assert env.heldout_items(8) == held[:8]
+    assert len({i.prompt for i in held}) == 40  # distinct held-out questions, even for a task this small
     # one-digit two-term sums have few distinct questions: the train split must still avoid all held-out ones
     held_q = {i.prompt for i in held}
     train = [i for s in range(1, 30) for i in env.train_items(s, 16)]
