@@ -17,7 +17,7 @@ Train/eval split: a function is in the eval split iff a hash of its shown values
 bottom ``EVAL_FRACTION`` (so equal functions of different families share a split); train batches
 reject eval functions, so the splits are disjoint by construction and independent of seeds.
 ``score_locally`` evaluates model output with ``eval`` and exists ONLY for unit tests; the pipeline
-must score through :func:`to_verify_request` and the sandbox pool.
+scores through :class:`FuncfitEnv` (:func:`to_verify_request`, the sandbox pool).
 """
 
 from __future__ import annotations
@@ -199,14 +199,17 @@ def to_program(expr: str) -> str:
     return f"def f(x):\n    return {body}\n"
 
 
-def to_verify_request(problem: Problem, completion: str, timeout_s: float | None = None) -> "VerifyRequest":
-    """The sandbox request that checks ``completion`` on the problem's hidden tests."""
+def to_verify_request(problem: "Problem | Sequence[Sequence[int]]", completion: str,
+                      timeout_s: float | None = None) -> "VerifyRequest":
+    """The sandbox request that checks ``completion`` on the hidden tests: a problem's, or (x, f(x))
+    pairs as an item's ``data["hidden"]`` holds them."""
     from infra.sandbox import TestCase, VerifyRequest
 
+    hidden = problem.hidden if isinstance(problem, Problem) else problem
     return VerifyRequest(
         program=to_program(extract_expression(completion)),
         entry="f",
-        tests=[TestCase(args=[x], expected=y) for x, y in problem.hidden],
+        tests=[TestCase(args=[x], expected=y) for x, y in hidden],
         timeout_s=timeout_s,
     )
 
@@ -277,12 +280,9 @@ class FuncfitEnv:
               pool: "SandboxPool | None") -> "list[Score]":
         """Each completion's expression on the item's hidden points, in the sandbox pool."""
         from evals.env import Score, check_batch, need_pool
-        from infra.sandbox import TestCase, VerifyRequest
 
         check_batch(items, completions)
         sandbox = need_pool(self.name, pool)
-        reqs = [VerifyRequest(program=to_program(extract_expression(c)), entry="f",
-                              tests=[TestCase(args=[x], expected=y) for x, y in it.data["hidden"]])
-                for it, c in zip(items, completions)]
+        reqs = [to_verify_request(it.data["hidden"], c) for it, c in zip(items, completions)]
         results = sandbox.verify_many(reqs, dedupe=sandbox.cfg.dedupe)
         return [Score(float(r.reward), r.reward >= 1.0, r.reason) for r in results]
