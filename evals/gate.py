@@ -173,6 +173,12 @@ def check_suite_regressions(candidate: dict[str, list[float]], champion: dict[st
     return out
 
 
+def suite_rewards(reports: dict[str, dict]) -> dict[str, list[float]]:
+    """Per-problem rewards of each guard suite report (``{"suite", "rewards", "guard"}``) keyed by the
+    suite's cache name, so that only identical suites (same env, split, size, decoding) are paired."""
+    return {r["suite"]: [float(x) for x in r["rewards"]] for r in reports.values() if r.get("guard", True)}
+
+
 def veto_regressions(decision: GateDecision, checks: list[SuiteCheck]) -> GateDecision:
     """Reject a promotion when any suite check failed; the reason names the worst one."""
     decision.suites = checks

@@ -24,13 +24,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from evals.gate import GateDecision, decide_with_guards, slices_by_prefix
+from evals.gate import (GateDecision, check_suite_regressions, decide_with_guards, slices_by_prefix,
+                        suite_rewards, veto_regressions)
 from infra.config import PromoteConfig, RunConfig
 from infra.ops.links import run_link_markdown
 from infra.ops.report import gate_report
 from infra.registry import Registry
 from infra.stages.context import RunContext, new_run_id, prepare_run
-from infra.stages.evaluate import evaluate_heldout, generate_with_model, suite_name
+from infra.stages.evaluate import evaluate_heldout, evaluate_suite, generate_with_model, run_suites, suite_name
 from infra.storage import get_json, put_json
 
 Evaluator = Callable[[str, str], dict[str, Any]]  # (version, model_dir) -> report with problem_ids, rewards
@@ -49,11 +50,18 @@ def gate_rewards(problem_ids: list[str], candidate: list[float], champion: list[
 
 
 def evaluate_model_dir(cfg: RunConfig, model_dir: str | Path, pool: Any) -> dict[str, Any]:
-    """The held-out report (:func:`~infra.stages.evaluate.evaluate_heldout`) of a Hugging Face folder."""
+    """The main-suite report (:func:`~infra.stages.evaluate.evaluate_heldout`) of a Hugging Face folder,
+    with the report of every guard suite of ``eval.suites`` under ``suites`` when
+    ``promote.no_regression`` asks for them."""
     from infra.model import load_policy
 
     model, tokenizer = load_policy(cfg.model, folder=model_dir)
-    return evaluate_heldout(cfg, generate_with_model(cfg, model, tokenizer), pool)
+    generate = generate_with_model(cfg, model, tokenizer)
+    report = evaluate_heldout(cfg, generate, pool)
+    if cfg.promote.no_regression:
+        report["suites"] = {s.name: {**evaluate_suite(s, generate, pool), "guard": True}
+                            for s in run_suites(cfg)[1:] if s.guard}
+    return report
 
 
 def registry_evaluator(cfg: RunConfig, reg: Registry, pool: Any, ctx: RunContext) -> Evaluator:
@@ -61,8 +69,11 @@ def registry_evaluator(cfg: RunConfig, reg: Registry, pool: Any, ctx: RunContext
 
     def evaluate(version: str, work: str) -> dict[str, Any]:
         key = f"gate/{reg.name}/v{int(version):06d}/{suite_name(cfg)}.json"
+        wanted = {x.name for x in run_suites(cfg)[1:] if x.guard} if cfg.promote.no_regression else set()
         if ctx.store.exists(key):
-            return get_json(ctx.store, key)
+            cached = get_json(ctx.store, key)
+            if wanted <= set(cached.get("suites") or {}):
+                return cached
         folder = reg.download(version, Path(work) / f"v{version}")
         ctx.report(f"eval gate: evaluating model version {version} on {suite_name(cfg)}")
         report = {"version": version, **evaluate_model_dir(cfg, folder, pool)}
@@ -121,6 +132,9 @@ def _decide(cfg: RunConfig, reg: Registry, cand: str, champ: str | None, evaluat
                              f"({cand_rep.get('suite')} vs {champ_rep.get('suite')})")
         decision = gate_rewards(cand_rep["problem_ids"], cand_rep["rewards"],
                                 champ_rep["rewards"] if champ_rep else None, pcfg)
+        if pcfg.no_regression and champ_rep is not None and cand_rep.get("suites"):
+            decision = veto_regressions(decision, check_suite_regressions(
+                suite_rewards(cand_rep["suites"]), suite_rewards(champ_rep.get("suites") or {}), pcfg.confidence))
     d = asdict(decision)
     link = run_link_markdown(ctx.tracker.tracking_uri, ctx.tracker.experiment_id, ctx.tracker.run_id)
     md = gate_report(d, cand, champ, link, suite=cand_rep.get("suite") if cand_rep else None)

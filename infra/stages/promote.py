@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
-from evals.gate import GateDecision, check_suite_regressions, veto_regressions
+from evals.gate import GateDecision, check_suite_regressions, suite_rewards, veto_regressions
 from infra.registry import Registry
 from infra.stages.context import Cluster, RunContext
 from infra.stages.evaluate import run_suites, suite_report_key
@@ -52,11 +52,6 @@ def champion_report(reg: Registry, run_id: str | None) -> dict[str, Any]:
     except Exception:  # champion logged elsewhere or without a report: the gate falls back to its score tag
         return {}
 
-
-def suite_rewards(reports: dict[str, Any]) -> dict[str, list[float]]:
-    """Per-problem rewards of each guard suite keyed by the suite's cache name (so only identical
-    suites — same env, split, size and decoding — are compared)."""
-    return {r["suite"]: [float(x) for x in r["rewards"]] for r in reports.values() if r.get("guard", True)}
 
 
 def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, sandbox_image: str) -> dict[str, Any]:

@@ -115,6 +115,26 @@ def test_gate_promotes_better_rejects_worse_and_not_significant(setup: tuple[Any
     assert champ == ev.by_version[v2]
 
 
+def test_gate_vetoes_a_significant_regression_on_another_suite(setup: tuple[Any, Registry, list[str]]) -> None:
+    cfg, reg, (v1, v2, v3, _, _) = setup
+    cfg = load_config(ROOT / "configs/demo.yaml", [f"run_root={cfg.run_root}", "promote.no_regression=true",
+                                                   "eval.suites=[{name: other, size: 200}]"])
+    side = {v1: [1.0] * 200, v2: [0.0] * 150 + [1.0] * 50, v3: [1.0] * 199 + [0.0]}
+
+    def ev(version: str, work: str) -> dict[str, Any]:
+        main = {v1: _rewards(0.3, 1), v2: _rewards(0.9, 2), v3: _rewards(0.9, 2)}[version]
+        other = {"suite": "other-x", "guard": True, "rewards": side[version]}
+        return {"version": version, "suite": "crafted", "n": len(main), "score": sum(main) / len(main),
+                "problem_ids": IDS, "rewards": main, "suites": {"other": other}}
+
+    vetoed = run_eval_gate(cfg, v2, evaluator=ev)  # much better on the main suite, collapses on "other"
+    assert vetoed["decision"]["improvement"] > 0.4 and not vetoed["promoted"]
+    assert "suite 'other-x' regressed" in vetoed["decision"]["reason"]
+    assert reg.alias("champion").version == v1  # type: ignore[union-attr]
+    kept = run_eval_gate(cfg, v3, evaluator=ev)  # one problem worse on "other": not significant
+    assert kept["promoted"] and "no regression on 1 suite" in kept["decision"]["reason"]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deltaloop.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
