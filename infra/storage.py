@@ -72,6 +72,13 @@ def _check_key(key: str) -> str:
     return key
 
 
+def _check_prefix(prefix: str) -> str:
+    """A list prefix: like a key (:func:`_check_key`) but may be empty or end with '/'."""
+    if prefix:
+        _check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
+
+
 class FileStore:
     """Objects as files under a root folder; atomic writes by rename."""
 
@@ -124,7 +131,9 @@ class FileStore:
     def list(self, prefix: str = "") -> list[str]:
         base = self.root
         out: list[str] = []
-        start = base / prefix.rstrip("/") if prefix else base
+        start = base / _check_prefix(prefix).rstrip("/") if prefix else base
+        if base != start.resolve() and base not in start.resolve().parents:
+            raise ValueError(f"invalid list prefix {prefix!r}: outside the store")
         if prefix and not prefix.endswith("/") and not start.is_dir():
             start = start.parent
         if not start.exists():

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from infra.errors import DeltaloopError
+from infra.weightsync.errors import ManifestError
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +68,22 @@ def read_folder(folder: str | Path) -> tuple[dict[str, "torch.Tensor"], dict[str
     return tensors, files, {"safetensors": layout}
 
 
+def member_path(root: Path, rel: object, field: str) -> Path:
+    """``root / rel`` for a file name ``rel`` read from a manifest's ``field``, refused unless it is a
+    plain relative '/'-path (no absolute path, no ``.``/``..`` or empty segment, no backslash or NUL)
+    that resolves inside ``root`` even through symlinks already in the folder. Raises
+    :class:`~infra.weightsync.errors.ManifestError` naming the field."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel or len(rel) > 1024:
+        raise ManifestError(f"manifest {field}: file name {rel!r} is not a relative path")
+    if any(part in ("", ".", "..") for part in rel.split("/")) or rel == MARKER:
+        raise ManifestError(f"manifest {field}: file name {rel!r} has an empty, '.' or '..' segment or is reserved")
+    base = root.resolve()
+    path = (base / rel).resolve()
+    if path == base or base not in path.parents:
+        raise ManifestError(f"manifest {field}: file name {rel!r} resolves outside the output folder")
+    return path
+
+
 def write_folder(
     folder: str | Path,
     tensors: dict[str, "torch.Tensor"],
@@ -80,15 +97,18 @@ def write_folder(
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     layout = meta.get("safetensors") or {"model.safetensors": {"tensors": list(tensors), "metadata": None}}
+    # every name comes from a manifest someone else wrote: all are checked before anything is written
+    paths = {rel: member_path(root, rel, "meta.safetensors") for rel in layout}
+    paths.update({rel: member_path(root, rel, "files") for rel in files})
     for rel, spec in layout.items():
-        path = root / rel
+        path = paths[rel]
         path.parent.mkdir(parents=True, exist_ok=True)
         part = {name: tensors[name].contiguous() for name in spec["tensors"]}
         tmp = path.with_name(path.name + ".tmp")
         save_file(part, str(tmp), metadata=spec.get("metadata"))
         tmp.replace(path)
     for rel, data in files.items():
-        path = root / rel
+        path = paths[rel]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     if marker is not None:

@@ -56,3 +56,25 @@ def test_run_key_layout() -> None:
 def test_unknown_scheme() -> None:
     with pytest.raises(ValueError, match="known: file, s3"):
         open_store("gs://bucket/x")
+
+
+@pytest.mark.parametrize("prefix", ["../", "..", "a/../../", "/etc/", "a//b", "a\\b", "./"])
+def test_list_refuses_prefixes_that_leave_the_store(tmp_path: Path, prefix: str) -> None:
+    """Replays a listing attack: a prefix with '..', an absolute path or odd segments must not walk
+    outside the store's root (get/put/delete already refuse such keys)."""
+    (tmp_path / "outside.txt").write_text("secret")
+    store = FileStore(tmp_path / "root")
+    store.put("a/b.txt", b"x")
+    with pytest.raises(ValueError, match="invalid"):
+        store.list(prefix)
+    assert store.list("a/") == ["a/b.txt"] and store.list("") == ["a/b.txt"]
+
+
+def test_list_does_not_follow_a_symlink_out_of_the_store(tmp_path: Path) -> None:
+    """A symlinked folder inside the root that points outside it is not listed through."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "s.txt").write_text("secret")
+    store = FileStore(tmp_path / "root")
+    (tmp_path / "root" / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="outside the store"):
+        store.list("link/")
