@@ -38,7 +38,6 @@ only to fenced answers).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -50,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from evals.answers import default_system_prompt, exact_match, extract_answer, numeric_match, regex_match, shaped_reward
-from evals.env import Item, Prompt, Score, check_batch, need_pool
+from evals.env import Item, Prompt, Score, check_batch, need_pool, prompt_key, stable_hash
 
 if TYPE_CHECKING:
     from infra.config import DatasetColumns, DatasetEnvConfig
@@ -73,8 +72,6 @@ class Row:
     entry: str | None = None
 
 
-def _hash(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "big")
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -271,15 +268,10 @@ def to_rows(records: list[dict[str, Any]], existing: list[str], source: str, col
     return rows
 
 
-def _prompt_key(prompt: Prompt) -> str:
-    text = prompt if isinstance(prompt, str) else "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
-    return " ".join(text.split())
-
-
 def split_rows(rows: Sequence[Row], seed: int, fraction: float) -> tuple[list[Row], list[Row]]:
     """(train, held-out): a row is held out when the hash of (seed, id) falls below ``fraction``."""
     cut = fraction * 2**64
-    held = [_hash(seed, "heldout", r.id) < cut for r in rows]
+    held = [stable_hash(seed, "heldout", r.id) < cut for r in rows]
     return [r for r, h in zip(rows, held) if not h], [r for r, h in zip(rows, held) if h]
 
 
@@ -297,10 +289,10 @@ class DatasetEnv:
         if not heldout:
             raise ValueError(f"{source}: the held-out split is empty ({len(train)} rows in all); "
                              "raise env.heldout_fraction or give env.heldout_path")
-        held_prompts = {_prompt_key(r.prompt) for r in heldout}
-        self._train = [r for r in train if _prompt_key(r.prompt) not in held_prompts]
+        held_prompts = {prompt_key(r.prompt) for r in heldout}
+        self._train = [r for r in train if prompt_key(r.prompt) not in held_prompts]
         self.dropped = len(train) - len(self._train)  # train rows that repeat a held-out prompt
-        self._heldout = sorted(heldout, key=lambda r: (_hash(seed, "order", r.id), r.id))
+        self._heldout = sorted(heldout, key=lambda r: (stable_hash(seed, "order", r.id), r.id))
         self.scorer, self.seed, self.source = scorer, seed, source
         self.extract, self.format_weight, self.tolerance = extract, format_weight, tolerance
         self.system_prompt = default_system_prompt(extract) if system_prompt is None else system_prompt
@@ -350,7 +342,7 @@ class DatasetEnv:
     def _permutation(self, epoch: int) -> list[int]:
         if epoch not in self._perms:
             order = list(range(len(self._train)))
-            random.Random(_hash(self.seed, "epoch", epoch)).shuffle(order)
+            random.Random(stable_hash(self.seed, "epoch", epoch)).shuffle(order)
             self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
             self._perms[epoch] = order
         return self._perms[epoch]

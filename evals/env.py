@@ -23,6 +23,7 @@ for per-group reports and the promotion gate's guards.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union, runtime_checkable
 
@@ -95,6 +96,19 @@ class Environment(Protocol):
               pool: "SandboxPool | None") -> list[Score]:
         """One :class:`Score` per completion; ``completions[i]`` answers ``items[i]``."""
         ...
+
+
+def stable_hash(*parts: object) -> int:
+    """A 64-bit number from ``parts``, the same on every machine and run (splits and orders are
+    functions of it, never of Python's salted ``hash``)."""
+    return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "big")
+
+
+def prompt_key(prompt: Prompt) -> str:
+    """A prompt's text with whitespace collapsed: two items with the same key are the same question,
+    which the train split must not repeat from the held-out one."""
+    text = prompt if isinstance(prompt, str) else "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+    return " ".join(text.split())
 
 
 def check_batch(items: Sequence[Item], completions: Sequence[str]) -> None:

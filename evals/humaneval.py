@@ -37,14 +37,13 @@ well-formed). pass@k over several samples is computed by :mod:`evals.passk`.
 from __future__ import annotations
 
 import ast
-import hashlib
 import random
 import re
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Sequence
 
 from evals.answers import default_system_prompt, extract_answer, shaped_reward
-from evals.env import Item, Score, check_batch, need_pool
+from evals.env import Item, Score, check_batch, need_pool, stable_hash
 
 if TYPE_CHECKING:
     from infra.config import HumanEvalEnvConfig
@@ -98,12 +97,6 @@ def to_program(problem: dict[str, Any], code: str) -> str:
     return str(problem["prompt"]) + code
 
 
-def _unit(*parts: object) -> float:
-    """A uniform number in [0, 1) from a hash of ``parts``."""
-    digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
 class HumanEvalEnv:
     """HumanEval as an environment: held-out eval suite or train/held-out split (module docstring)."""
 
@@ -127,7 +120,7 @@ class HumanEvalEnv:
         if heldout_fraction >= 1.0:
             self._heldout, self._train = ids, []
         else:
-            self._heldout = [t for t in ids if _unit(seed, "heldout", t) < heldout_fraction]
+            self._heldout = [t for t in ids if stable_hash(seed, "heldout", t) / 2.0**64 < heldout_fraction]
             held = set(self._heldout)
             self._train = [t for t in ids if t not in held]
             for split, got in (("held-out", self._heldout), ("train", self._train)):
@@ -168,7 +161,7 @@ class HumanEvalEnv:
         if not self._train:
             raise ValueError("humaneval with heldout_fraction 1.0 holds out all 164 problems (an eval suite) and "
                              "has no train split; set env.heldout_fraction below 1 to train on the rest")
-        rng = random.Random(int(_unit(self.seed, "train-step", step) * 2**62))
+        rng = random.Random(stable_hash(self.seed, "train-step", step))
         out: list[str] = []
         while len(out) < n:
             out += rng.sample(self._train, min(n - len(out), len(self._train)))

@@ -16,13 +16,12 @@ it, the entry regenerated from the item's (task, split, index). The reward is th
 
 from __future__ import annotations
 
-import hashlib
 import random
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Sequence
 
 from evals.answers import default_system_prompt, extract_answer, shaped_reward
-from evals.env import Item, Score, check_batch
+from evals.env import Item, Score, check_batch, prompt_key, stable_hash
 
 if TYPE_CHECKING:
     from infra.config import ReasoningGymEnvConfig
@@ -33,7 +32,8 @@ MAX_REDRAWS = 1000
 
 
 def _seed(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:4], "big")
+    """A 32-bit dataset seed from ``parts``."""
+    return stable_hash(*parts) >> 32
 
 
 @lru_cache(maxsize=64)
@@ -59,10 +59,6 @@ def make_dataset(name: str, seed: int, size: int, config: dict[str, Any]) -> Any
         return _dataset(name, seed, size, json.dumps(config, sort_keys=True))
     except (TypeError, AssertionError, ValueError) as exc:
         raise ValueError(f"reasoning_gym task {name!r}: bad config {config}: {exc}") from None
-
-
-def _norm(q: str) -> str:
-    return " ".join(q.split())
 
 
 class ReasoningGymEnv:
@@ -113,7 +109,7 @@ class ReasoningGymEnv:
             for _attempt in range(MAX_REDRAWS):
                 index = cursor[task]
                 cursor[task] += 1
-                question = _norm(str(data[index]["question"]))
+                question = prompt_key(str(data[index]["question"]))
                 if question not in self._heldout_questions:
                     break
             else:
@@ -143,7 +139,7 @@ class ReasoningGymEnv:
             task = rng.choices(names, weights)[0]
             for _attempt in range(MAX_REDRAWS):
                 item = self._item(task, "train", rng.randrange(TRAIN_SIZE))
-                if _norm(str(item.prompt)) not in held:
+                if prompt_key(str(item.prompt)) not in held:
                     break
             else:
                 raise ValueError(f"reasoning_gym task {task!r}: {MAX_REDRAWS} draws in a row repeat held-out "
