@@ -148,26 +148,32 @@ class ReasoningGymEnv:
         return out
 
     # ----------------------------------------------------------------------------- scoring
+    def _dataset_and_entry(self, item: Item) -> tuple[Any, dict[str, Any]]:
+        d = item.data
+        data = self._data(str(d["task"]), str(d["split"]))
+        return data, data[int(d["index"])]
+
     def entry(self, item: Item) -> dict[str, Any]:
         """The package's entry of ``item`` (regenerated: items carry only their task, split and index)."""
-        d = item.data
-        return self._data(str(d["task"]), str(d["split"]))[int(d["index"])]
+        return self._dataset_and_entry(item)[1]
 
     def score(self, items: Sequence[Item], completions: Sequence[str],
               pool: "SandboxPool | None" = None) -> list[Score]:
-        """Extract each answer and grade it with its task's ``score_answer``."""
+        """Extract each answer and grade it with its task's ``score_answer`` (each item's entry is
+        regenerated once per batch, however many samples answer it)."""
         check_batch(items, completions)
+        entries: dict[str, tuple[Any, dict[str, Any]]] = {}
         out: list[Score] = []
         for item, text in zip(items, completions):
             answer = extract_answer(text, self.extract)
             if answer is None:
                 out.append(Score(shaped_reward(False, False, self.format_weight), False, "no_answer"))
                 continue
-            d = item.data
-            grade = float(self._data(str(d["task"]), str(d["split"]))
-                          .score_answer(answer=answer, entry=self.entry(item)) or 0.0)
-            grade = min(1.0, max(0.0, grade))
+            if item.id not in entries:
+                entries[item.id] = self._dataset_and_entry(item)
+            data, entry = entries[item.id]
+            grade = min(1.0, max(0.0, float(data.score_answer(answer=answer, entry=entry) or 0.0)))
             correct = grade >= 1.0
-            reward = (1.0 - self.format_weight) * grade + self.format_weight
-            out.append(Score(reward, correct, "ok" if correct else "wrong"))
+            out.append(Score((1.0 - self.format_weight) * grade + self.format_weight, correct,
+                             "ok" if correct else "wrong"))
         return out
