@@ -91,14 +91,15 @@ def prompt_batch(env_cfg: EnvConfig, env: Environment, items: list[Item]) -> dic
             "render": {"chat": env_cfg.chat, "system_prompt": system}, "stop": stop}
 
 
-def reward_stats(rewards: list[float], correct: list[bool] | None = None) -> dict[str, float]:
-    """``score`` (mean reward), ``std`` (population standard deviation) and ``accuracy`` (fraction
-    correct; without ``correct``: fraction with reward 1) of rewards in [0, 1]; 0 for an empty list."""
+def reward_stats(rewards: list[float], correct: "list[bool] | list[float] | None" = None) -> dict[str, float]:
+    """``score`` (mean reward), ``std`` (population standard deviation) and ``accuracy`` (mean of
+    ``correct``: per sample a bool, per problem the fraction of its samples that are right; without
+    it, the fraction of rewards equal to 1) of rewards in [0, 1]; 0 for an empty list."""
     n = max(1, len(rewards))
     mean = sum(rewards) / n
     ok = correct if correct is not None else [x >= 1.0 for x in rewards]
     return {"score": mean, "std": (sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
-            "accuracy": sum(1 for c in ok if c) / n}
+            "accuracy": sum(float(c) for c in ok) / n}
 
 
 def evaluate_suite(suite: Suite, generate: Generate, pool: Any) -> dict[str, Any]:
@@ -118,7 +119,8 @@ def evaluate_suite(suite: Suite, generate: Generate, pool: Any) -> dict[str, Any
     m = suite.samples
     rewards = [sum(s.reward for s in scores[i * m:(i + 1) * m]) / m for i in range(len(items))]
     n_correct = [sum(1 for s in scores[i * m:(i + 1) * m] if s.correct) for i in range(len(items))]
-    stats = reward_stats(rewards, [c == m for c in n_correct])
+    correct = [c / m for c in n_correct]  # per problem: the fraction of its samples that are right
+    stats = reward_stats(rewards, correct)
     groups: dict[str, list[float]] = {}
     for it, r in zip(items, rewards):
         groups.setdefault(it.group or suite.env.type, []).append(r)
@@ -128,10 +130,10 @@ def evaluate_suite(suite: Suite, generate: Generate, pool: Any) -> dict[str, Any
     report = {
         "suite": suite.cache_name(), "suite_name": suite.name, "env": suite.env.type, "split": suite.split,
         "n": len(items), "samples": m, "score": stats["score"],
-        "accuracy": sum(c / m for c in n_correct) / max(1, len(items)),
+        "accuracy": stats["accuracy"],
         "per_group": {g: sum(v) / len(v) for g, v in sorted(groups.items())}, "reasons": reasons,
         "problem_ids": [it.id for it in items], "groups": [it.group for it in items], "rewards": rewards,
-        "correct": [c / m for c in n_correct], "completions": texts[::m],
+        "correct": correct, "completions": texts[::m],
         "generate_seconds": gen_seconds, "score_seconds": score_seconds,
     }
     if m > 1:
