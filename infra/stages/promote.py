@@ -19,25 +19,12 @@ from dataclasses import asdict
 from typing import Any
 
 from evals.gate import GateDecision, check_suite_regressions, suite_rewards, veto_regressions
+from infra.config import RunConfig
 from infra.registry import Registry
 from infra.stages.context import Cluster, RunContext
 from infra.stages.evaluate import run_suites, suite_report_key
 from infra.stages.gate import gate_rewards
 from infra.storage import get_json
-
-
-def champion_rewards(reg: Registry, alias: str, suite: str, problem_ids: list[str]) -> tuple[list[float] | None, float | None, str | None]:
-    """The champion's per-problem rewards on ``suite`` (if logged), its recorded score, its version."""
-    champ = reg.alias(alias)
-    if champ is None:
-        return None, None, None
-    rep = champion_report(reg, champ.run_id)
-    rewards = None
-    if rep.get("suite") == suite and rep.get("problem_ids") == problem_ids:
-        rewards = [float(x) for x in rep["rewards"]]
-    # a recorded mean is comparable only on the same suite (another task or size says nothing here)
-    same_suite = champ.tags.get("eval_suite") in (None, suite)
-    return rewards, champ.score("eval_score") if same_suite else None, champ.version
 
 
 def champion_report(reg: Registry, run_id: str | None) -> dict[str, Any]:
@@ -53,6 +40,30 @@ def champion_report(reg: Registry, run_id: str | None) -> dict[str, Any]:
         return {}
 
 
+def gate_against_champion(cfg: RunConfig, reg: Registry, report: dict[str, Any]) -> tuple[GateDecision, str | None]:
+    """The end-of-run decision on ``report`` (this run's final main-suite report, with ``suites``)
+    against the current champion, read once: its alias, tags and logged final report. Returns the
+    decision and the champion's version (None: no champion)."""
+    pcfg = cfg.promote
+    champ = reg.alias(pcfg.alias)
+    if champ is None:
+        return gate_rewards(report["problem_ids"], report["rewards"], None, pcfg), None
+    rep = champion_report(reg, champ.run_id)
+    rewards = ([float(x) for x in rep["rewards"]]
+               if rep.get("suite") == report["suite"] and rep.get("problem_ids") == report["problem_ids"] else None)
+    # a recorded mean is comparable only on the same suite (another task or size says nothing here)
+    score = champ.score("eval_score") if champ.tags.get("eval_suite") in (None, report["suite"]) else None
+    if rewards is None and score is None:
+        return GateDecision(
+            False, f"the champion (version {champ.version}) has no evaluation on suite {report['suite']} to compare "
+            "with; `deltaloop gate VERSION` evaluates both on this run's suite",
+            report["score"], None, confidence=pcfg.confidence, margin=pcfg.margin), champ.version
+    decision = gate_rewards(report["problem_ids"], report["rewards"], rewards, pcfg, champion_score=score)
+    if pcfg.no_regression and report["suites"]:
+        decision = veto_regressions(decision, check_suite_regressions(
+            suite_rewards(report["suites"]), suite_rewards(rep.get("suites") or {}), pcfg.confidence))
+    return decision, champ.version
+
 
 def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, sandbox_image: str) -> dict[str, Any]:
     """Export, register and gate the final policy. Returns the decision and the version made."""
@@ -67,21 +78,7 @@ def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, s
     cluster.trainer.call("export", path=str(model_dir))
     ctx.tracker.log_artifacts(model_dir, "model")
     reg = Registry(cfg.resolved_tracking_uri(), cfg.tracking.registered_model)
-    champ_rewards, champ_score, champ_version = champion_rewards(reg, cfg.promote.alias, report["suite"],
-                                                                 report["problem_ids"])
-    if champ_version is not None and champ_rewards is None and champ_score is None:
-        decision = GateDecision(
-            False, f"the champion (version {champ_version}) was evaluated on another suite than {report['suite']}: "
-            "not comparable; `deltaloop gate VERSION` evaluates both on this run's suite",
-            report["score"], None, confidence=cfg.promote.confidence, margin=cfg.promote.margin)
-    else:
-        decision = gate_rewards(report["problem_ids"], report["rewards"], champ_rewards, cfg.promote,
-                                champion_score=champ_score)
-    champ = reg.alias(cfg.promote.alias)
-    if cfg.promote.no_regression and champ is not None and report["suites"]:
-        champ_suites = champion_report(reg, champ.run_id).get("suites") or {}
-        decision = veto_regressions(decision, check_suite_regressions(
-            suite_rewards(report["suites"]), suite_rewards(champ_suites), cfg.promote.confidence))
+    decision, champ_version = gate_against_champion(cfg, reg, report)
     tags = {
         "deltaloop.run_id": ctx.run_id,
         "mlflow_run_id": ctx.tracker.run_id,

@@ -135,6 +135,20 @@ def test_gate_vetoes_a_significant_regression_on_another_suite(setup: tuple[Any,
     assert kept["promoted"] and "no regression on 1 suite" in kept["decision"]["reason"]
 
 
+def test_end_of_run_gate_does_not_compare_a_champion_from_another_suite(
+        setup: tuple[Any, Registry, list[str]]) -> None:
+    from infra.stages.promote import gate_against_champion
+
+    cfg, reg, (v1, _, _, _, _) = setup
+    report = {"suite": "main-abc", "problem_ids": IDS, "rewards": _rewards(0.9, 5), "score": 0.9, "suites": {}}
+    reg.set_tags(v1, {"eval_suite": "main-other", "eval_score": "0.1"})  # a lower score, on another task
+    decision, champ = gate_against_champion(cfg, reg, report)
+    assert champ == v1 and not decision.promote and "no evaluation on suite main-abc" in decision.reason
+    reg.set_tags(v1, {"eval_suite": "main-abc"})  # same suite, recorded mean only: compared by means
+    decision, _ = gate_against_champion(cfg, reg, report)
+    assert decision.promote and decision.method == "mean"
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deltaloop.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
