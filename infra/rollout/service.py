@@ -19,6 +19,7 @@ from typing import Any
 from infra.config import RunConfig
 from infra.proc import ServiceDied, ServiceSpec, describe_exit, http_probe, start_with_retry, tail, wait_until
 from infra.rpc import address_probe
+from infra.secrets import run_secret, secret_env
 from infra.specs import RolloutSpec
 from infra.storage import ObjectStore, run_key
 
@@ -59,7 +60,7 @@ class RolloutService:
         spec.write(self.run_dir / "rollout_spec.json")
         service = ServiceSpec.python(
             "rollout worker", "infra.rollout.server", [],
-            env={**spec.to_env(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.cfg.rollout.threads)},
+            env={**spec.to_env(), **secret_env(run_secret(self.run_dir)), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.cfg.rollout.threads)},
             log=self._log,
         )
         self._started = time.time()

@@ -30,6 +30,7 @@ from infra.cluster.base import GroupHandle
 from infra.config import RunConfig
 from infra.proc import ServiceDied, start_with_retry, tail
 from infra.rpc import RpcClient
+from infra.secrets import run_secret, secret_env
 from infra.specs import TrainerSpec
 from infra.storage import ObjectStore, run_key
 
@@ -76,6 +77,7 @@ class TrainerService:
         env = {
             **spec.to_env(),
             "DELTALOOP_AUTHKEY": self._authkey.hex(),
+            **secret_env(run_secret(self.run_dir)),
             "DELTALOOP_PARENT_PID": str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
         }
