@@ -692,6 +692,7 @@ class Runner:
                 os.closerange(3, keep)
                 os.closerange(keep + 1, 1 << 16)
                 os.set_inheritable(keep, True)
+                _set_signals(signal.SIG_DFL)  # the zygote starts as a plain python3 would
                 os.execv(sys.executable, argv)
             finally:
                 os._exit(127)
@@ -1050,6 +1051,25 @@ def oneshot_main(opts, job_text=None):
     _send_line(reply)
 
 
+def _set_signals(handler):
+    """Set every catchable signal but SIGCHLD to ``handler`` (``SIG_IGN`` or ``SIG_DFL``).
+
+    R ignores them all: the job runs as R's uid and may ``kill(1, sig)`` with any signal. Inside a
+    PID namespace the kernel drops signals to its init that the init leaves at ``SIG_DFL``, but a
+    Python process has a handler for SIGINT (KeyboardInterrupt), and the ``unsafe_local`` runtime
+    has no namespace at all. SIGCHLD stays at its default: ignoring it would make the kernel reap
+    R's children itself and lose the exit statuses R waits for. A write to a stdout the host closed
+    still ends R (``BrokenPipeError``). R's children get ``SIG_DFL`` back before they exec.
+    """
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            continue
+        try:
+            signal.signal(sig, handler)
+        except (OSError, ValueError):  # numbers libc reserves for itself (32, 33) cannot be set
+            pass
+
+
 def main(argv):
     mode = argv[2] if len(argv) > 2 else "--runner"
     if mode == "--zygote":
@@ -1058,7 +1078,7 @@ def main(argv):
         oneshot_main(json.loads(argv[3]), argv[4] if len(argv) > 4 else None)
     else:
         _nondumpable()
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        _set_signals(signal.SIG_IGN)
         os.chdir("/")
         Runner(argv[1], json.loads(argv[3])).serve()
 

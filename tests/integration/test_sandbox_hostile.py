@@ -258,3 +258,23 @@ def test_recycled_sandbox_starts_clean(runtime: str) -> None:
         assert p.metrics()["sandboxes_started"] >= 2
     finally:
         p.close()
+
+
+def test_every_catchable_signal_to_the_runner_is_ignored(pool: SandboxPool) -> None:
+    """Replays finding 7 of issue #15: a job sends ``kill(1, sig)`` to the runner (PID 1 of the
+    sandbox) for every catchable signal. Each job must finish normally and the *same* sandbox must
+    serve the next job: no sandbox retired, no anomaly, no job lost."""
+    import signal
+
+    catchable = sorted(int(s) for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+    before = pool.metrics()
+    failures = []
+    for sig in catchable:
+        res = pool.exec(f"import os, time\nos.kill(1, {sig})\ntime.sleep(0.05)\nprint('alive')\n")
+        if res.reason != "ok" or "alive" not in res.stdout_tail:
+            failures.append((sig, res.reason, res.extra))
+    after = pool.metrics()
+    assert not failures, f"signals that disturbed the runner: {failures}"
+    assert after["retired"] == before["retired"] and after["anomalies"] == before["anomalies"]
+    assert after["sandboxes_started"] == before["sandboxes_started"]
+    _still_healthy(pool)
