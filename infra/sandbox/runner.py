@@ -6,7 +6,8 @@ a clean state and be unable to forge its own score. Three processes, all the sam
 
 * **runner (R)** — PID 1 of the sandbox's PID namespace (bwrap ``--as-pid-1``; docker's command).
   The kernel never delivers SIGKILL/SIGSTOP to a namespace's init from inside that namespace, so the
-  untrusted job cannot kill or stop it. R is non-dumpable (no ptrace, no ``/proc/1/mem`` or
+  untrusted job cannot kill or stop it, and R ignores every catchable signal (:func:`_set_signals`).
+  R is non-dumpable (no ptrace, no ``/proc/1/mem`` or
   ``/proc/1/fd`` access for the job). R reads one JSON job per line on stdin and writes one JSON
   reply per line on stdout; the job never holds these fds.
 * **zygote (Z)** — a fresh ``exec`` of python made at sandbox start, holding no job data. For each
