@@ -133,11 +133,17 @@ def _dtype(model_cfg: "ModelConfig") -> "torch.dtype":
 
 
 def _load_hf(path: str, dtype: "torch.dtype") -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
-    """A local Hugging Face folder, offline."""
+    """A local Hugging Face folder, offline, weights from safetensors only.
+
+    Model folders come from the registry and the object store, which other people can write; a
+    ``pytorch_model.bin`` is a pickle, so it is never opened (``use_safetensors=True``), and no code
+    shipped in the folder runs (``trust_remote_code`` stays off).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, use_safetensors=True,
+                                                 trust_remote_code=False)
     return model, tokenizer
 
 

@@ -13,6 +13,7 @@ from infra.config import TinyModelConfig  # noqa: E402
 from infra.model import (  # noqa: E402
     build_tiny_model,
     build_tokenizer,
+    load_policy,
     load_published_state,
     publishable_state,
     save_hf,
@@ -65,3 +66,33 @@ def test_published_state_round_trip() -> None:
         assert torch.equal(p.data, state[name].float())
     with pytest.raises(KeyError):
         load_published_state(dst, {k: v for k, v in state.items() if "lm_head" not in k})
+
+
+class _Plant:
+    """A pickle payload: unpickling it creates ``path`` (proof that code ran)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.path,))
+
+
+def test_model_folder_with_pickled_weights_is_never_unpickled(tmp_path: Path) -> None:
+    """Someone who can write a registered model's folder replaces ``model.safetensors`` with a
+    ``pytorch_model.bin`` pickle (finding 1 of issue #15, applied to model folders). transformers'
+    own ``weights_only`` load would already refuse this payload; deltaloop does not open ``.bin``
+    files at all, so the refusal does not rest on the unpickler's allow-list."""
+    import pickle
+
+    from infra.config import ModelConfig
+
+    tok = build_tokenizer()
+    folder = save_hf(build_tiny_model(SMALL, tok, seed=0), tok, tmp_path / "model")
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    with open(folder / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"w": _Plant(marker)}, f)
+    with pytest.raises(OSError):
+        load_policy(ModelConfig(), folder=folder)
+    assert not marker.exists()
