@@ -15,7 +15,12 @@ skipped (gloo does the collectives) unless ``DELTALOOP_DS_SHM=1``.
 Full parameters for publishing are assembled with ``safe_get_full_fp32_param`` (the fp32 master
 copy; a collective under ZeRO-3, so every rank calls :meth:`DeepSpeedEngine.full_params`).
 Checkpoints use DeepSpeed's own per-rank files (``save_checkpoint``/``load_checkpoint``), which hold
-each rank's optimizer partition and fp32 master weights, so a restore is exact.
+each rank's optimizer partition and fp32 master weights, so a restore is exact. DeepSpeed's loader
+unpickles them with ``weights_only=False``; :mod:`infra.train.checkpoint` hands it only files whose
+digests the run-secret-signed manifest vouches for, and :meth:`DeepSpeedEngine.load` also swaps the
+loader for ``torch.load(weights_only=True)`` with the three DeepSpeed classes those files hold
+(:data:`SAFE_GLOBALS`) allow-listed, so even a file that slipped past the digests cannot name any
+other callable.
 """
 
 from __future__ import annotations
@@ -34,6 +39,22 @@ if TYPE_CHECKING:
     from infra.config import TrainerConfig
 
 _TAG = "ckpt"
+
+#: The only non-torch globals DeepSpeed's checkpoint files reference (ZeRO 0-3, bf16, offload).
+SAFE_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
+
+
+def weights_only_load(path: str, map_location: Any = None) -> Any:
+    """``torch.load(path, weights_only=True)`` allowing just :data:`SAFE_GLOBALS` (no other code)."""
+    import torch
+
+    allowed = [getattr(importlib.import_module(mod), name) for mod, name in SAFE_GLOBALS]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def ds_config(tcfg: "TrainerConfig", world: int) -> dict[str, Any]:
@@ -131,6 +152,7 @@ class DeepSpeedEngine:
         self.engine.save_checkpoint(str(folder), tag=_TAG, save_latest=False)
 
     def load(self, folder: Path) -> None:
+        self.engine.checkpoint_engine.load = weights_only_load  # instead of its weights_only=False load
         path, _ = self.engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if path is None:

@@ -4,7 +4,8 @@ Every engine exposes the same small surface to :mod:`infra.train.worker` — a m
 ``backward``/``step`` (gradient accumulation = several ``backward`` calls, then one ``step``), the
 learning rate, the *full* fp32 parameters on rank 0 (for publishing and export), and a per-rank
 ``save``/``load`` of the complete optimisation state into a local folder (which
-:mod:`infra.train.checkpoint` moves to and from the object store).
+:mod:`infra.train.checkpoint` moves to and from the object store, once their digests verify). Engine
+files are torch files read back with ``weights_only=True`` (tensors and plain containers, no code).
 
 - ``torch``: every rank holds a full replica and its AdamW state; gradients are averaged with one flat
   all-reduce (what DDP does, without its bucketing hooks, so any number of ``backward`` calls

@@ -1,6 +1,7 @@
 """Trainer checkpoints: exact round trip (weights, AdamW state, RNG), atomic commit, GC, guards.
 
-A one-rank gloo process group in this process; a file object store under tmp_path."""
+A one-rank gloo process group in this process; a file object store under tmp_path; the run secret in
+the environment (tests/unit/test_checkpoint_security.py covers forged and altered checkpoints)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,16 @@ def group() -> Iterator[None]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run secret in the environment, as the trainer ranks receive it (checkpoints are signed)."""
+    import os
+
+    from infra.secrets import SECRET_ENV
+
+    monkeypatch.setenv(SECRET_ENV, os.urandom(32).hex())
 
 
 def _engine(seed: int):  # noqa: ANN202
