@@ -41,18 +41,21 @@ def serve(
     worker_limit: int = typer.Option(1, min=1, help="Flow runs the worker runs at once."),
     no_worker: bool = typer.Option(False, "--no-worker", help="Do not start a worker."),
     no_deploy: bool = typer.Option(False, "--no-deploy", help="Do not deploy prefect.yaml."),
-    api_auth_string: str = typer.Option("", envvar="PREFECT_SERVER_API_AUTH_STRING",
-                                        help="'user:password' required by the Prefect API."),
+    auth_file: Path | None = typer.Option(None, "--auth-file", help="File holding 'user:password' (mode 600) for the "
+                                   "Prefect API and MLflow; default: $PREFECT_SERVER_API_AUTH_STRING."),
 ) -> None:
-    """Start Prefect server + worker + MLflow server, deploy prefect.yaml, print URLs; Ctrl-C stops all."""
-    from infra.serve import ServeError, ServeOptions, serve_forever
+    """Start Prefect server + worker + MLflow server, deploy prefect.yaml, print URLs; Ctrl-C stops all.
 
-    opts = ServeOptions(host=host, prefect_port=prefect_port, mlflow_port=mlflow_port, run_root=run_root,
-                        prefect_db=prefect_db or None, mlflow_backend=mlflow_backend or None,
-                        mlflow_artifacts=mlflow_artifacts or None, worker=not no_worker,
-                        deploy=not no_deploy, worker_limit=worker_limit,
-                        api_auth_string=api_auth_string or None)
+    The auth string comes from a file or the environment, never from the command line (``ps`` shows
+    argv to every user); without one, only loopback addresses are served."""
+    from infra.serve import ServeError, ServeOptions, read_auth, serve_forever
+
     try:
+        auth = read_auth(auth_file)
+        opts = ServeOptions(host=host, prefect_port=prefect_port, mlflow_port=mlflow_port, run_root=run_root,
+                            prefect_db=prefect_db or None, mlflow_backend=mlflow_backend or None,
+                            mlflow_artifacts=mlflow_artifacts or None, worker=not no_worker,
+                            deploy=not no_deploy, worker_limit=worker_limit, api_auth_string=auth)
         code = serve_forever(opts, say=lambda m: typer.echo(m, err=True))
     except ServeError as exc:
         typer.echo(f"serve: {exc}", err=True)

@@ -10,12 +10,16 @@ from typing import Any
 
 from prefect import flow
 
+from flows.guard import check_deployment_request
 from infra.config import load_config
 from tasks.gate import gate_version
 
 
 @flow(name="eval-gate", log_prints=False)
 def eval_gate(version: str, config: str = "configs/demo.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Gate model VERSION of the configured registered model against its champion."""
+    """Gate model VERSION of the configured registered model against its champion.
+
+    A run created from a deployment may only name project configs and allowed override keys."""
+    check_deployment_request(config, overrides)
     cfg = load_config(config, list(overrides or []))
     return gate_version(cfg, str(version))

@@ -14,6 +14,7 @@ from typing import Any
 from prefect import flow
 
 from evals.registry import require_environments
+from flows.guard import check_deployment_request
 from infra.config import load_config
 from infra.stages.context import prepare_run
 from infra.stages.summary import build_summary, human_summary, record_step, write_summary
@@ -33,7 +34,10 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
              resume: str | None = None) -> dict[str, Any]:
     """Run the whole RL pipeline for CONFIG (+ ``key=value`` overrides); returns the summary.
 
-    ``resume``: the id of an earlier run to continue (finished stages are read back from the store)."""
+    ``resume``: the id of an earlier run to continue (finished stages are read back from the store).
+    A run created from a deployment may only name project configs and allowed override keys
+    (``flows/guard.py``); it is refused before anything starts."""
+    check_deployment_request(config, overrides, resume)
     cfg = load_config(config, overrides or [])
     require_environments(cfg, config)
     ctx = prepare_run(cfg, resume)

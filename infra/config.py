@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,8 @@ __all__ = [
     "LoopConfig", "LoraConfig", "ModelConfig", "PromoteConfig", "RolloutConfig", "RunConfig", "SandboxConfig",
     "StorageConfig", "TinyModelConfig", "TrackingConfig", "TrainerConfig", "WarmstartConfig", "WeightSyncConfig",
     "apply_overrides", "dump_config", "load_config", "select_hosts", "validate_config",
+    "DEFAULT_API_OVERRIDES", "OverrideRefused", "api_override_allowlist", "check_api_request", "key_allowed",
+    "override_key",
 ]
 
 
@@ -169,6 +173,107 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
         if ok:
             node[parts[-1]] = _coerce_override(raw)
     return problems
+
+
+# ------------------------------------------------------------------ runs requested through the API
+# A run triggered through a Prefect deployment (the REST API, the UI, a schedule, an automation) is
+# a request from whoever can reach the Prefect server, so it may only tune the run, never say what
+# runs or where: hosts, ssh options and proxy commands, paths (run_root, model and data paths),
+# entry points, sandbox runtime, storage and tracking URIs, init_from and the promotion gate are not
+# on the default list. ``deltaloop run --set`` on the CLI is not checked (the operator's own shell).
+API_OVERRIDES_ENV = "DELTALOOP_API_OVERRIDES"
+API_OVERRIDES_FILE_ENV = "DELTALOOP_API_OVERRIDES_FILE"
+API_CONFIGS_ENV = "DELTALOOP_API_CONFIGS"
+DEFAULT_API_OVERRIDES: tuple[str, ...] = (
+    "name", "seed", "trainer.*", "warmstart.*", "model.tiny.*", "model.dtype",
+    "env.seed", "env.eval_problems", "env.chat", "env.system_prompt", "env.stop", "env.answer.*",
+    "env.families", "env.hidden_tests", "env.heldout_fraction",
+    "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p",
+    "weight_sync.keyframe_every", "weight_sync.codec", "weight_sync.zstd_level",
+    "loop.*", "eval.every", "eval.max_new_tokens",
+)
+PROJECT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class OverrideRefused(ConfigError):
+    """A run triggered through a deployment asked for an override, config file or run id it may not use.
+
+    The HTTP analogue is 403: the request is well-formed but not permitted; no retry can help.
+    """
+
+    def __init__(self, source: str, problem: str) -> None:
+        self.source = source
+        self.problems = [problem]
+        DeltaloopError.__init__(self, problem)
+
+
+def api_override_allowlist(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The override keys an API-triggered run may set, as the operator configured them on the worker.
+
+    ``$DELTALOOP_API_OVERRIDES`` (entries separated by commas or spaces) and the lines of the file
+    named by ``$DELTALOOP_API_OVERRIDES_FILE`` (``#`` comments) together replace the default list;
+    the entry ``default`` stands for :data:`DEFAULT_API_OVERRIDES`. Neither set: the default list.
+    An entry is a dotted key (exact) or ``section.*`` (every key under it). An unreadable file
+    raises :class:`OverrideRefused` (fail closed).
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(API_OVERRIDES_ENV)
+    path = env.get(API_OVERRIDES_FILE_ENV)
+    if text is None and not path:
+        return DEFAULT_API_OVERRIDES
+    entries = re.split(r"[\s,]+", text or "")
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise OverrideRefused(path, f"cannot read the override allow-list {path} "
+                                        f"(${API_OVERRIDES_FILE_ENV}): {exc}") from None
+        entries += [w for line in lines for w in re.split(r"[\s,]+", line.split("#", 1)[0])]
+    out: list[str] = []
+    for e in entries:
+        for k in (DEFAULT_API_OVERRIDES if e == "default" else (e,) if e else ()):
+            if k not in out:
+                out.append(k)
+    return tuple(out)
+
+
+def override_key(item: str) -> str:
+    """The dotted key an override ``item`` sets, normalised the way :func:`apply_overrides` reads it."""
+    return ".".join(p for p in item.split("=", 1)[0].strip().split(".") if p)
+
+
+def key_allowed(key: str, allow: tuple[str, ...]) -> bool:
+    """Whether dotted ``key`` is an entry of ``allow`` or lies under one of its ``section.*`` entries."""
+    return any(key == a or (a.endswith(".*") and key.startswith(a[:-1])) for a in allow)
+
+
+def check_api_request(config: str | None, overrides: list[str], resume: str | None = None,
+                      environ: Mapping[str, str] | None = None) -> None:
+    """Refuse what a deployment-triggered run may not ask for, before anything is read or started.
+
+    ``config`` must be a YAML file under the project's ``configs/`` folder or under a path listed in
+    ``$DELTALOOP_API_CONFIGS`` (``os.pathsep``-separated files or folders); every override key must
+    be allowed by :func:`api_override_allowlist`; ``resume`` must be a plain run id. Raises
+    :class:`OverrideRefused` naming the first refused item and what is allowed.
+    """
+    env = os.environ if environ is None else environ
+    roots = [PROJECT_CONFIGS, *(Path(p).resolve() for p in env.get(API_CONFIGS_ENV, "").split(os.pathsep) if p)]
+    if config is not None:
+        target = Path(config).resolve()
+        if target.suffix not in (".yaml", ".yml") or not any(target == r or target.is_relative_to(r) for r in roots):
+            raise OverrideRefused(str(config), f"config {config!r} is not allowed for a run triggered through a "
+                                  f"deployment: name a YAML file under {PROJECT_CONFIGS} (operators add paths "
+                                  f"with ${API_CONFIGS_ENV} on the worker)")
+    allow = api_override_allowlist(env)
+    for item in overrides:
+        key = override_key(str(item))
+        if not key_allowed(key, allow):
+            raise OverrideRefused(str(config), f"override {key or item!r} is not allowed for a run triggered through "
+                                  f"a deployment (allowed: {', '.join(allow) or 'none'}; operators change the "
+                                  f"list with ${API_OVERRIDES_ENV} on the worker)")
+    if resume is not None and (not _RUN_ID.match(resume) or ".." in resume):
+        raise OverrideRefused(str(config), f"resume {resume!r} is not a run id (letters, digits, '_', '.', '-')")
 
 
 def validate_config(data: dict[str, Any], source: str = "<dict>") -> RunConfig:

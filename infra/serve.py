@@ -15,6 +15,17 @@ so running flow runs are cancelled while the servers are still up — by process
 any descendant that escaped its group (:func:`infra.proc.stop_processes`). Prefect is driven only
 through its CLI (no import here).
 
+Auth: with an auth string ``user:password`` (from ``PREFECT_SERVER_API_AUTH_STRING`` or a file,
+never from the command line, so ``ps`` never shows it) the Prefect API requires it as HTTP basic
+auth, and MLflow runs as its ``basic-auth`` app with ``user`` as admin (password from the same
+string), so an anonymous request cannot read runs or move the registry alias that gates
+production. Without one, ``serve`` binds loopback only. Each child gets only the secrets it needs:
+the servers their own settings, the worker (and so every flow run) the client credentials
+(``PREFECT_API_AUTH_STRING``, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``). The process work pool is
+created with a base job template that fixes the command, environment and working directory and
+forbids other job variables, so a flow run created through the API cannot change what the worker
+executes (Prefect answers 422).
+
 Ports: the Prefect and MLflow servers cannot report a port they bound themselves, so a port of 0
 is chosen here (:func:`infra.proc.free_port`); if another process takes it before the server binds
 it, the server is started again on a fresh port (twice at most).
@@ -22,12 +33,16 @@ it, the server is started again on a fresh port (twice at most).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,9 +51,28 @@ from infra.errors import DeltaloopError
 from infra.proc import (ServiceDied, ServiceProcess, ServiceSpec, bind_socket, describe_exit, free_port,
                         http_probe, port_in_use, spawn, wait_until)
 from infra.process_env import state_dir
+from infra.secrets import derive_key
 
 POOL = "deltaloop-process"
 MLFLOW_UI_ENV = "DELTALOOP_MLFLOW_UI_URL"
+AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"
+# never inherited by a child: each gets the ones its role needs (_child_env)
+SECRET_ENVS = ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME",
+               "MLFLOW_TRACKING_PASSWORD", "MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD",
+               "MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_AUTH_CONFIG_PATH")
+MIN_PASSWORD = 12  # MLflow's minimum for a user's password
+# The process pool's base job template: command, env and working_dir are fixed (the worker's own
+# environment, the default command, the directory the deployment was made in); only harmless
+# variables are templated and no others are accepted, so a flow run's job_variables cannot run a
+# command of the caller's choosing.
+LOCKED_PROCESS_TEMPLATE: dict = {
+    "job_configuration": {"command": None, "env": {}, "working_dir": None, "labels": "{{ labels }}",
+                          "name": "{{ name }}", "stream_output": "{{ stream_output }}"},
+    "variables": {"type": "object", "additionalProperties": False, "properties": {
+        "name": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Name"},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}, "title": "Labels"},
+        "stream_output": {"type": "boolean", "default": True, "title": "Stream Output"}}},
+}
 
 
 class ServeError(DeltaloopError):
@@ -62,7 +96,7 @@ class ServeOptions:
     deploy: bool = True
     worker: bool = True
     worker_limit: int = 1  # concurrent flow runs; each run starts its own trainer/rollout/sandboxes
-    api_auth_string: str | None = None  # "user:password" basic auth on the Prefect API
+    api_auth_string: str | None = None  # "user:password": basic auth on the Prefect API and MLflow (admin)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -75,6 +109,45 @@ def _port(host: str, port: int, what: str) -> int:
     except OSError:
         raise ServeError(f"{what} port {host}:{port} is in use (choose another, or 0 for any free port)") from None
     return port
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is reachable only from this machine."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def split_auth(auth: str) -> tuple[str, str]:
+    """``user:password`` -> (user, password), or :class:`ServeError` saying what a valid one is."""
+    user, sep, password = auth.strip().partition(":")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", user) or len(password) < MIN_PASSWORD:
+        raise ServeError(f"the auth string must be 'user:password' (user: letters, digits, '_.@-'; password: "
+                         f"at least {MIN_PASSWORD} characters, MLflow's minimum)")
+    return user, password
+
+
+def read_auth(auth_file: Path | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The auth string from ``auth_file`` (owner-only permissions), else ``$PREFECT_SERVER_API_AUTH_STRING``."""
+    env = os.environ if environ is None else environ
+    if auth_file is None:
+        return env.get(AUTH_ENV) or None
+    try:
+        mode = auth_file.stat().st_mode
+        text = auth_file.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ServeError(f"cannot read the auth file {auth_file}: {exc}") from None
+    if mode & 0o077:
+        raise ServeError(f"the auth file {auth_file} is open to other users (mode {mode & 0o777:o}): chmod 600 it")
+    if not text:
+        raise ServeError(f"the auth file {auth_file} is empty")
+    return text
 
 
 def _bin(name: str) -> str:
@@ -97,14 +170,21 @@ class Stack:
         self.project_dir = Path(opts.project_dir).resolve()
         self.run_root = (self.project_dir / opts.run_root).resolve()
         self.env: dict[str, str] = {}
+        self.auth: tuple[str, str] | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------ start
     def start(self) -> dict[str, str]:
         """Start everything, deploy, return the URLs. On failure, stops what started and raises."""
         o = self.opts
+        if not o.api_auth_string and not is_loopback(o.host):
+            raise ServeError(f"refusing to serve on {o.host} without auth: other machines could drive the Prefect "
+                             f"API and move the MLflow alias; set ${AUTH_ENV} or --auth-file, or bind 127.0.0.1")
+        self.auth = split_auth(o.api_auth_string) if o.api_auth_string else None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.run_root.mkdir(parents=True, exist_ok=True)
+        if self.auth:
+            self._mlflow_auth_config()
         ports = {"prefect-server": _port(o.host, o.prefect_port, "Prefect"),
                  "mlflow-server": _port(o.host, o.mlflow_port, "MLflow")}
         self._set_env(ports)
@@ -113,7 +193,12 @@ class Stack:
                 self._spawn(name, self._server_cmd(name, port))
             for name, wanted in (("prefect-server", o.prefect_port), ("mlflow-server", o.mlflow_port)):
                 self._wait_server(name, ports, auto_port=wanted == 0)
-            self._cli("work pool", [_bin("prefect"), "work-pool", "create", o.pool, "--type", "process", "--overwrite"])
+            if self.auth:
+                self._check_mlflow_admin()
+            template = self.state_dir / "process-pool.json"
+            template.write_text(json.dumps(LOCKED_PROCESS_TEMPLATE, indent=2))
+            self._cli("work pool", [_bin("prefect"), "work-pool", "create", o.pool, "--type", "process",
+                                    "--base-job-template", str(template), "--overwrite"])
             if o.deploy:
                 self._cli("deploy", [_bin("prefect"), "--no-prompt", "deploy", "--all"], timeout=300)
             if o.worker:
@@ -131,16 +216,57 @@ class Stack:
         api = f"http://{o.host}:{ports['prefect-server']}/api"
         self.urls = {"prefect_ui": f"http://{o.host}:{ports['prefect-server']}", "prefect_api": api,
                      "mlflow_ui": f"http://{o.host}:{ports['mlflow-server']}"}
-        self.env = {**os.environ, **o.extra_env, "PREFECT_API_URL": api, MLFLOW_UI_ENV: self.urls["mlflow_ui"],
+        base = {k: v for k, v in {**os.environ, **o.extra_env}.items() if k not in SECRET_ENVS}
+        self.env = {**base, "PREFECT_API_URL": api, MLFLOW_UI_ENV: self.urls["mlflow_ui"],
                     "PREFECT_UI_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                     "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), o.host, "localhost"]))}
         # MLflow's background job runner (GenAI jobs; three huey consumers) is not used here
         self.env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-        if o.api_auth_string:
-            self.env["PREFECT_SERVER_API_AUTH_STRING"] = o.api_auth_string
-            self.env["PREFECT_API_AUTH_STRING"] = o.api_auth_string
+        if self.auth:  # the clients' credentials: CLI calls, the worker and every flow run it starts
+            self.env["PREFECT_API_AUTH_STRING"] = ":".join(self.auth)
+            self.env["MLFLOW_TRACKING_USERNAME"], self.env["MLFLOW_TRACKING_PASSWORD"] = self.auth
         if o.prefect_db:
             self.env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = o.prefect_db
+
+    def _child_env(self, name: str) -> dict[str, str]:
+        """The environment of child ``name``: the common one plus the secrets of its role only."""
+        if not self.auth:
+            return self.env
+        if name == "prefect-server":
+            return {**self.env, AUTH_ENV: ":".join(self.auth)}
+        if name == "mlflow-server":
+            env = {k: v for k, v in self.env.items() if not k.startswith("MLFLOW_TRACKING_")}
+            return {**env, "MLFLOW_AUTH_CONFIG_PATH": str(self.state_dir / "mlflow-auth.ini"),
+                    "MLFLOW_AUTH_ADMIN_USERNAME": self.auth[0], "MLFLOW_AUTH_ADMIN_PASSWORD": self.auth[1],
+                    "MLFLOW_FLASK_SERVER_SECRET_KEY": derive_key(":".join(self.auth).encode(), "mlflow-csrf").hex()}
+        return self.env
+
+    def _mlflow_auth_config(self) -> None:
+        """Write MLflow's auth config (no secret in it) and set the admin password of an existing auth db.
+
+        MLflow creates its admin user from ``MLFLOW_AUTH_ADMIN_PASSWORD`` only when the user does not
+        exist yet, so after the auth string changes the stored password is replaced here, before the
+        server starts.
+        """
+        assert self.auth is not None
+        db = self.state_dir / "mlflow-auth.db"
+        ini = self.state_dir / "mlflow-auth.ini"
+        ini.write_text("[mlflow]\ndefault_permission = READ\n"
+                       f"database_uri = sqlite:///{db}\nadmin_username = {self.auth[0]}\n"
+                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        ini.chmod(0o600)
+        if not db.exists():
+            return
+        from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+        store = SqlAlchemyStore()
+        store.init_db(f"sqlite:///{db}")
+        try:
+            user, password = self.auth
+            if store.has_user(user) and not store.authenticate_user(user, password):
+                store.update_user(user, password=password, is_admin=True)
+        finally:
+            store.engine.dispose()
 
     def _server_cmd(self, name: str, port: int) -> list[str]:
         o = self.opts
@@ -148,7 +274,8 @@ class Stack:
             return [_bin("prefect"), "server", "start", "--host", o.host, "--port", str(port)]
         backend = o.mlflow_backend or f"sqlite:///{self.run_root / 'mlflow.db'}"
         artifacts = o.mlflow_artifacts or str(self.run_root / "mlartifacts")
-        return [_bin("mlflow"), "server", "--host", o.host, "--port", str(port), "--backend-store-uri", backend,
+        auth = ["--app-name", "basic-auth"] if self.auth else []
+        return [_bin("mlflow"), "server", *auth, "--host", o.host, "--port", str(port), "--backend-store-uri", backend,
                 "--default-artifact-root", artifacts, "--artifacts-destination", artifacts, "--workers", "1"]
 
     def _wait_server(self, name: str, ports: dict[str, int], auto_port: bool, attempts: int = 3) -> None:
@@ -167,7 +294,7 @@ class Stack:
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         # no lifeline: DELTALOOP_PARENT_PID would reach flow runs and tie their services to this process
-        spec = ServiceSpec(name=name, argv=cmd, env=self.env, cwd=str(self.project_dir),
+        spec = ServiceSpec(name=name, argv=cmd, env=self._child_env(name), cwd=str(self.project_dir),
                            log=str(self.log_dir / f"{name}.log"), inherit_env=False, lifeline=False)
         with self._lock:
             self.procs[name] = spawn(spec)
@@ -184,8 +311,20 @@ class Stack:
     def _auth_header(self) -> dict[str, str]:
         import base64
 
-        s = self.opts.api_auth_string
-        return {"Authorization": "Basic " + base64.b64encode(s.encode()).decode()} if s else {}
+        return {"Authorization": "Basic " + base64.b64encode(":".join(self.auth).encode()).decode()} if self.auth else {}
+
+    def _check_mlflow_admin(self) -> None:
+        """Fail now, not at a flow's first registry call, if MLflow refuses the admin credentials."""
+        import urllib.error
+        import urllib.request
+
+        url = f"{self.urls['mlflow_ui']}/api/2.0/mlflow/experiments/search?max_results=1"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            opener.open(urllib.request.Request(url, headers=self._auth_header()), timeout=30).close()
+        except urllib.error.HTTPError as exc:
+            raise ServeError(f"MLflow refused the admin credentials ({exc.code}) with the auth database "
+                             f"{self.state_dir / 'mlflow-auth.db'}") from None
 
     def _cli(self, what: str, cmd: list[str], timeout: float = 120) -> None:
         out = subprocess.run(cmd, cwd=self.project_dir, env=self.env, capture_output=True, text=True,
@@ -253,6 +392,8 @@ def serve_forever(opts: ServeOptions, say: Callable[[str], None] = print) -> int
         say(f"MLflow UI    {urls['mlflow_ui']}   (tracking store: {opts.mlflow_backend or stack.run_root / 'mlflow.db'})")
         say(f"work pool    {opts.pool} ({'worker running' if opts.worker else 'no worker'}); "
             f"deployments: rl-train/rl-train, retrain/retrain, eval-gate/eval-gate")
+        say("auth: the Prefect API and MLflow require the auth string (HTTP basic)" if stack.auth
+            else f"no auth: anyone on this machine can use both servers ({opts.host} only)")
         say("Ctrl-C stops everything.")
         why = stack.wait(stop)
         say(f"stopping ({why.splitlines()[0]}) ...")

@@ -1,7 +1,13 @@
 """The operations stack for real: ``deltaloop serve`` (Prefect server + process worker + MLflow server,
-``prefect deploy --all``), runs triggered through the REST API, a scheduled ``retrain``, an
-``eval-gate`` deployment run, the champion loaded with ``transformers`` from the registry, the
-Prefect and MLflow UIs in headless Chromium, and a clean stop on SIGINT.
+``prefect deploy --all``), behind auth, runs triggered through the REST API, a scheduled
+``retrain``, an ``eval-gate`` deployment run, the champion loaded with ``transformers`` from the
+registry, an API-triggered run that asks for a shell refused before anything starts, the Prefect
+and MLflow UIs in headless Chromium, and a clean stop on SIGINT.
+
+The stack runs as an operator would expose it: ``PREFECT_SERVER_API_AUTH_STRING`` set (so MLflow
+runs its basic-auth app and every client, this test included, authenticates) and the worker's
+override allow-list extended with ``run_root`` (``DELTALOOP_API_OVERRIDES``), since each test
+triggers runs into its own run_root.
 
 Tests run in file order and share one stack (module fixture): the first run creates the champion
 that the later ones retrain from, gate against and look for in the UIs. Screenshots are written to
@@ -17,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from base64 import b64encode
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,6 +37,8 @@ from infra.proc import descendants
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+USER, PASSWORD = "ops", "served-stack-secret"
+AUTH = f"{USER}:{PASSWORD}"
 SHOTS = ROOT / "test-output" / "ui"
 TINY = [
     "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.group_size=4",
@@ -50,11 +59,11 @@ class Served:
         return [*TINY, f"run_root={self.run_root}", *extra]
 
     def get(self, path: str) -> Any:
-        with httpx.Client(base_url=self.api + "/", timeout=30, trust_env=False) as c:
+        with httpx.Client(base_url=self.api + "/", auth=(USER, PASSWORD), timeout=30, trust_env=False) as c:
             return request(c, "GET", path).json()
 
     def post(self, path: str, body: Any) -> Any:
-        with httpx.Client(base_url=self.api + "/", timeout=30, trust_env=False) as c:
+        with httpx.Client(base_url=self.api + "/", auth=(USER, PASSWORD), timeout=30, trust_env=False) as c:
             r = request(c, "POST", path, json=body)
         return r.json() if r.content else None
 
@@ -71,7 +80,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     env = {**os.environ, "DELTALOOP_STATE": str(state_dir), "PREFECT_HOME": str(tmp / "prefect"),
            "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
            "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2",
-           "PREFECT_LOGGING_LEVEL": "INFO"}
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_API_AUTH_STRING": AUTH,
+           "DELTALOOP_API_OVERRIDES": "default run_root"}
     out = tmp / "serve.out"
     with open(out, "wb") as fh:
         proc = subprocess.Popen(
@@ -87,9 +97,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             pytest.fail(f"deltaloop serve did not come up:\n{out.read_text()[-4000:]}")
         time.sleep(0.5)
     s = Served(proc, json.loads(state_file.read_text()), tmp / "runs", out)
+    mp = pytest.MonkeyPatch()  # what a registry consumer sets to reach the served MLflow
+    mp.setenv("MLFLOW_TRACKING_USERNAME", USER)
+    mp.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
     try:
         yield s
     finally:
+        mp.undo()
         pids = _all_pids(s)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
@@ -108,12 +122,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def test_api_triggered_rl_train_completes_with_report(served: Served) -> None:
-    """The documented Python example: create an rl-train run with parameters via REST, wait for it."""
+    """The documented Python example: create an rl-train run with parameters via REST, wait for it.
+
+    Every override it sends is on the allow-list (run_root by the operator's extension), so it runs."""
     t0 = time.monotonic()
     run = trigger(served.api, "rl-train/rl-train",
-                  {"config": "configs/demo.yaml", "overrides": served.overrides()}, name="api-triggered")
+                  {"config": "configs/demo.yaml", "overrides": served.overrides()}, name="api-triggered", auth=AUTH)
     assert run["state"]["type"] == "SCHEDULED"
-    done = wait(served.api, run["id"], timeout=900)
+    done = wait(served.api, run["id"], timeout=900, auth=AUTH)
     assert done["state"]["type"] == "COMPLETED", done["state"]
     print(f"api-triggered rl-train: {time.monotonic() - t0:.1f}s from trigger to COMPLETED")
     served.runs["rl-train"] = done
@@ -129,6 +145,45 @@ def test_api_triggered_rl_train_completes_with_report(served: Served) -> None:
     rid = text.split("/runs/")[1].split(")")[0]
     names = {a.path for a in client.list_artifacts(rid, "plots")}
     assert "plots/operations.png" in names and "plots/curves.png" in names
+
+
+def _stack_cmdlines(served: Served) -> list[str]:
+    out = []
+    for pid in _all_pids(served):
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return out
+
+
+def test_api_triggered_shell_override_is_refused_before_anything_starts(served: Served) -> None:
+    """Finding 6 of issue #15: an API-triggered run set ``cluster.hosts`` with a ``proxy_command``,
+    which provision ran on the worker as ``ssh -o ProxyCommand=...`` (here: touching a marker file).
+
+    Both the form that works as an override (a whole ``cluster.hosts`` list) and the issue's
+    ``cluster.hosts[0].proxy_command`` must fail the flow run with the refused key and the allow-list
+    in its state message, before a run folder, an MLflow run or any ssh process exists.
+    """
+    marker = served.run_root.parent / "proxy-command-ran"
+    attack_root = served.run_root.parent / "attack-runs"
+    attacks = {
+        "cluster.hosts": [f"cluster.hosts=[{{host: 10.255.255.1, proxy_command: 'touch {marker}'}}]",
+                          "cluster.type=hosts", "cluster.ranks=1"],
+        "cluster.hosts[0].proxy_command": [f"cluster.hosts[0].proxy_command=touch {marker}"],
+    }
+    runs = {key: trigger(served.api, "rl-train/rl-train",
+                         {"config": "configs/demo.yaml", "overrides": [*TINY, f"run_root={attack_root}", *ov]},
+                         name=f"attack-{i}", auth=AUTH)
+            for i, (key, ov) in enumerate(attacks.items())}
+    for key, run in runs.items():
+        done = wait(served.api, run["id"], timeout=600, auth=AUTH)
+        msg = done["state"]["message"] or ""
+        assert done["state"]["type"] == "FAILED", done["state"]
+        assert f"override {key!r} is not allowed" in msg and "trainer.*" in msg, msg
+        assert not any("ssh" in line.split(" ", 1)[0] or str(marker) in line for line in _stack_cmdlines(served))
+    assert not marker.exists()
+    assert not attack_root.exists()  # no run folder, store or MLflow sqlite: nothing was provisioned
 
 
 def test_champion_loads_with_transformers_from_registry(served: Served, tmp_path: Path) -> None:
@@ -169,9 +224,10 @@ def test_scheduled_retrain_fires_and_starts_from_champion(served: Served) -> Non
         fired = next((r for r in runs if r["auto_scheduled"]), None)
         time.sleep(1)
     # one firing is enough: remove the test schedule (and the runs it queued for later)
-    httpx.delete(f"{served.api}/deployments/{dep['id']}/schedules/{sched_id}", timeout=30, trust_env=False)
+    httpx.delete(f"{served.api}/deployments/{dep['id']}/schedules/{sched_id}", auth=(USER, PASSWORD), timeout=30,
+                 trust_env=False)
     assert fired is not None, "the interval schedule did not fire within 120 s"
-    done = wait(served.api, fired["id"], timeout=900)
+    done = wait(served.api, fired["id"], timeout=900, auth=AUTH)
     assert done["state"]["type"] == "COMPLETED", done["state"]
     from infra.registry import Registry
 
@@ -184,8 +240,8 @@ def test_scheduled_retrain_fires_and_starts_from_champion(served: Served) -> Non
 def test_eval_gate_deployment_decides_with_artifacts(served: Served) -> None:
     version = served.runs.get("retrain-version", {}).get("version", "1")
     run = trigger(served.api, "eval-gate/eval-gate",
-                  {"version": version, "config": "configs/demo.yaml", "overrides": served.overrides()})
-    done = wait(served.api, run["id"], timeout=600)
+                  {"version": version, "config": "configs/demo.yaml", "overrides": served.overrides()}, auth=AUTH)
+    done = wait(served.api, run["id"], timeout=600, auth=AUTH)
     assert done["state"]["type"] == "COMPLETED", done["state"]
     arts = served.post("artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     md = next(a for a in arts if a["key"] == f"eval-gate-v{version}")
@@ -234,6 +290,13 @@ def test_ui_headless_chromium_shows_deployments_run_and_champion(served: Served)
     run_name = served.runs["rl-train"]["name"]
     drv = _browser()
     try:
+        # both UIs are behind the stack's auth: MLflow answers basic auth (sent on every request),
+        # Prefect's UI sends what its login page stores
+        drv.execute_cdp_cmd("Network.enable", {})
+        drv.execute_cdp_cmd("Network.setExtraHTTPHeaders", {"headers": {"Authorization": "Basic " + b64encode(
+            AUTH.encode()).decode()}})
+        drv.get(served.ui)
+        drv.execute_script("localStorage.setItem('prefect-password', btoa(arguments[0]))", AUTH)
         drv.get(f"{served.ui}/deployments")
         _wait_text(drv, ["rl-train", "retrain", "eval-gate"])
         drv.save_screenshot(str(SHOTS / "prefect-deployments.png"))
