@@ -86,13 +86,13 @@ def start_trainer_state(ctx: RunContext, trainer: Any, info: dict[str, Any]) -> 
     """Resume the trainer from the newest checkpoint of this run, or warm-start, publish and save step 0.
 
     Returns the weight version the rollout worker must serve before step 1 and the publish record."""
-    from infra.train.checkpoint import read_manifest
+    from infra.train.checkpoint import checkpoint_key, read_manifest
 
     cfg = ctx.cfg
     restored = trainer.call("restore")
     if restored["step"] is not None:
         info["restored"] = restored
-        first = int(read_manifest(ctx.store, ctx.run_id, 0)["weights_version"])
+        first = int(read_manifest(ctx.store, ctx.run_id, 0, key=checkpoint_key(ctx.run_dir))["weights_version"])
         ctx.report(f"resumed trainer from the checkpoint of step {restored['step']} "
                    f"(weights v{restored['weights_version']}); later steps replay from stored rollouts")
         return first, {"version": first, "kind": "existing", "bytes_written": 0, "raw_bytes": 0, "seconds": 0.0}
