@@ -29,6 +29,20 @@ class RolloutConfig(Strict):
         0.5, gt=0.0, le=0.98, description="vllm: fraction of GPU memory vLLM may take (the trainer shares the GPU)."
     )
     start_timeout_s: float = Field(120.0, gt=0, le=3600, description="Max wait for the worker.")
+    max_body_bytes: int = Field(
+        4 << 20, ge=1024, le=1 << 30, description="Largest HTTP request body the worker reads (413 above)."
+    )
+    max_request_rows: int = Field(
+        1024, ge=1, le=1 << 20, description="OpenAI API: most prompts x n in one request (400 above)."
+    )
+    max_request_tokens: int = Field(
+        4096, ge=1, le=32768, description="OpenAI API: largest max_tokens / max_completion_tokens (400 above)."
+    )
+    max_stop: int = Field(16, ge=0, le=1024, description="OpenAI API: most stop strings in one request (400 above).")
+    max_stop_chars: int = Field(128, ge=1, le=65536, description="OpenAI API: longest stop string (400 above).")
+    stop_cache_entries: int = Field(
+        64, ge=1, le=65536, description="local: stop lists whose token sets are kept (least recently used go)."
+    )
 
 
 # --------------------------------------------------------------------------------- weight sync

@@ -22,7 +22,7 @@ EngineFactory = Callable[["RolloutConfig", Any, Any], RolloutEngine]
 def _local(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> RolloutEngine:
     from infra.rollout.local import LocalEngine
 
-    return LocalEngine(model, tokenizer, max_batch=cfg.max_batch)
+    return LocalEngine(model, tokenizer, max_batch=cfg.max_batch, stop_cache_entries=cfg.stop_cache_entries)
 
 
 def _vllm(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> RolloutEngine:

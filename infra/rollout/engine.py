@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from infra.rollout.errors import BadRequest
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -34,12 +36,25 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def check_request(prompt_ids: list[list[int]], n: int) -> None:
-    """The request rules every engine enforces: ``n >= 1`` and no empty prompt."""
+def check_request(prompt_ids: list[list[int]], n: int, vocab_size: int | None = None,
+                  max_positions: int | None = None, max_new_tokens: int = 0) -> None:
+    """The request rules every engine enforces before admitting a row: ``n >= 1``, no empty prompt,
+    every token id an int in ``[0, vocab_size)``, and each prompt plus ``max_new_tokens`` within
+    ``max_positions``. A violation raises :class:`~infra.rollout.errors.BadRequest` naming the
+    prompt; nothing of the request has been queued then, so it cannot disturb other requests."""
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if any(not p for p in prompt_ids):
-        raise ValueError("every prompt must have at least one token")
+        raise BadRequest(f"n must be >= 1, got {n}")
+    for i, p in enumerate(prompt_ids):
+        if not p:
+            raise BadRequest("every prompt must have at least one token")
+        if any(type(t) is not int for t in p):  # bool and float are not token ids
+            raise BadRequest(f"prompt {i}: token ids must be integers")
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            bad = next(t for t in p if not 0 <= t < vocab_size)
+            raise BadRequest(f"prompt {i}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if max_positions is not None and len(p) + max_new_tokens > max_positions:
+            raise BadRequest(f"prompt {i}: {len(p)} tokens plus max_new_tokens {max_new_tokens} exceed the "
+                             f"model's {max_positions} positions")
 
 
 def encode_prompts(tokenizer: object, prompts: list[str]) -> list[list[int]]:

@@ -9,8 +9,19 @@ What is supported: ``model`` (must be the served name), ``prompt`` (string, list
 ids or lists of token ids), ``messages``, ``max_tokens`` / ``max_completion_tokens``,
 ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``, ``logprobs`` (the sampled token's log-prob;
 ``top_logprobs`` alternatives are returned empty) and ``stream`` (the finished completion is sent
-as one SSE chunk, then ``[DONE]``). ``usage`` counts prompt and completion tokens. Unknown fields
-are ignored, as OpenAI-compatible servers usually do.
+as one SSE chunk, then ``[DONE]``). ``usage`` counts prompt and completion tokens.
+
+Refused with 400 (OpenAI's ``{"error": {"message", "type", "param", "code"}}``): unknown request
+fields, as OpenAI itself answers "Unrecognized request argument supplied" (a client that sends
+``tools`` or ``logit_bias`` must learn they are not applied, not get a silently different sample);
+OpenAI fields this server does not implement are accepted only at their neutral value
+(``frequency_penalty: 0``, ``logit_bias: {}``, ``tools: []``...), and bookkeeping fields (``user``,
+``stream_options``, ``metadata``, ``store``...) are accepted and ignored. Fields of a chat message
+other than ``role``/``content``/``name`` are ignored (histories replayed from OpenAI carry many).
+Also 400: token ids outside the vocabulary, more than :class:`ApiLimits` allows (prompts x n,
+``max_tokens``, number and length of ``stop`` strings), a body that is not JSON or not the schema;
+413: a body over ``max_body_bytes``. Every check runs before the request joins the batch; a request
+that fails inside the engine anyway gets 500 and only it fails (:mod:`infra.rollout.local`).
 
 RL extensions (extra response fields, ignored by clients that do not know them): every choice
 carries ``token_ids`` and ``token_logprobs`` and the response carries ``prompt_token_ids`` per
@@ -28,15 +39,48 @@ import json
 import secrets
 import time
 import uuid
-from typing import Any, Iterator, Literal, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from infra.errors import DeltaloopError
+from infra.rollout.errors import BadRequest, RequestFailed
+
+if TYPE_CHECKING:
+    from infra.config import RolloutConfig
 
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 PLAIN_STOPS = ["\nUser:", "\nSystem:", "\nTool:"]
 DEFAULT_MAX_TOKENS = 256
+# OpenAI request fields that change nothing here and are accepted (and ignored) with any value
+IGNORED_FIELDS = frozenset({"user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls",
+                            "prediction", "modalities", "reasoning_effort"})
+# OpenAI request fields this server does not implement: accepted only at these neutral values
+NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logit_bias": (None, {}),
+    "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """Caps on one OpenAI request (config: ``rollout.max_*``); above them the request gets 400
+    (413 for the body) before it reaches the engine."""
+
+    max_body_bytes: int = 4 << 20
+    max_rows: int = 1024  # prompts x n
+    max_tokens: int = 4096  # max_tokens / max_completion_tokens
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 128  # characters of one stop string
+
+    @classmethod
+    def of(cls, cfg: "RolloutConfig") -> "ApiLimits":
+        """The limits a rollout config sets."""
+        return cls(max_body_bytes=cfg.max_body_bytes, max_rows=cfg.max_request_rows,
+                   max_tokens=cfg.max_request_tokens, max_stop=cfg.max_stop, max_stop_chars=cfg.max_stop_chars)
 
 
 class TokenEngine(Protocol):
@@ -51,7 +95,7 @@ class TokenEngine(Protocol):
 
 # ----------------------------------------------------------------------------- request schemas
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are kept to be refused by name
 
     model: str
     max_tokens: int | None = Field(None, ge=1, le=32768)
@@ -169,21 +213,32 @@ class ChatResponse(_ResponseBase):
 
 
 class APIError(DeltaloopError):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "code"}}``."""
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``
+    (``type`` is ``invalid_request_error`` below 500, ``server_error`` from 500)."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error",
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error document."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # ----------------------------------------------------------------------------- the frontend
 class OpenAIFrontend:
     """Turns OpenAI requests into engine calls and engine completions into OpenAI responses."""
 
-    def __init__(self, engine: TokenEngine, model_name: str = "policy", max_context: int | None = None) -> None:
+    def __init__(self, engine: TokenEngine, model_name: str = "policy", max_context: int | None = None,
+                 limits: ApiLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.limits = limits or ApiLimits()
+        self.vocab_size = int(getattr(engine, "vocab_size", None) or len(self.tokenizer))
         if max_context is None:  # the model's position limit, when the engine exposes its model
             cfg = getattr(getattr(engine, "model", None), "config", None)
             max_context = getattr(cfg, "max_position_embeddings", None)
@@ -196,11 +251,45 @@ class OpenAIFrontend:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'.",
                            "model_not_found")
 
+    def _check(self, req: _Req, rows: int, max_tokens: int | None) -> None:
+        """Refuse unknown fields, unimplemented ones away from their neutral value, and requests over
+        the :class:`ApiLimits` (400, naming the field)."""
+        for name, value in (req.model_extra or {}).items():
+            if name in IGNORED_FIELDS:
+                continue
+            if name in NEUTRAL_FIELDS:
+                if value not in NEUTRAL_FIELDS[name]:
+                    raise APIError(400, f"'{name}' is not supported by this server (only its default)", param=name)
+                continue
+            raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name)
+        lim = self.limits
+        if rows > lim.max_rows:
+            raise APIError(400, f"prompts x n = {rows} exceeds this server's limit of {lim.max_rows}", param="n")
+        if max_tokens is not None and max_tokens > lim.max_tokens:
+            raise APIError(400, f"max_tokens {max_tokens} exceeds this server's limit of {lim.max_tokens}",
+                           param="max_tokens")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > lim.max_stop:
+            raise APIError(400, f"{len(stop)} stop strings exceed this server's limit of {lim.max_stop}",
+                           param="stop")
+        if any(len(x) > lim.max_stop_chars for x in stop):
+            raise APIError(400, f"a stop string is longer than this server's limit of {lim.max_stop_chars} "
+                           "characters", param="stop")
+
+    def _generate(self, prompts: list[list[int]], n: int, params: Any) -> list[Any]:
+        """The engine's completions; its refusals become 400 and its failures 500."""
+        try:
+            return self.engine.generate_ids(prompts, n, params)
+        except BadRequest as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+        except RequestFailed as exc:
+            raise APIError(500, str(exc), "server_error") from exc
+
     def _params(self, req: _Req, max_tokens: int | None, prompt_len: int, extra_stop: list[str]) -> Any:
         from infra.rollout.engine import SamplingParams
 
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        budget = max_tokens or DEFAULT_MAX_TOKENS
+        budget = min(max_tokens or DEFAULT_MAX_TOKENS, self.limits.max_tokens)
         if self.max_context is not None:
             room = self.max_context - prompt_len
             if room < 1:
@@ -234,10 +323,12 @@ class OpenAIFrontend:
 
     def completions(self, req: CompletionRequest) -> CompletionResponse:
         self._check_model(req.model)
+        n_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
+        self._check(req, n_prompts * req.n, req.max_tokens)
         prompts = self._prompt_ids(req.prompt)
         longest = max(len(p) for p in prompts)
         params = self._params(req, req.max_tokens or 16, longest, [])
-        comps = self.engine.generate_ids(prompts, req.n, params)
+        comps = self._generate(prompts, req.n, params)
         version = comps[0].version if comps else self.engine.version
         choices = []
         for k, c in enumerate(comps):
@@ -261,9 +352,10 @@ class OpenAIFrontend:
 
     def chat(self, req: ChatRequest) -> ChatResponse:
         self._check_model(req.model)
+        self._check(req, req.n, req.max_completion_tokens or req.max_tokens)
         ids, stops = self.render_chat(req.messages)
         params = self._params(req, req.max_completion_tokens or req.max_tokens, len(ids), stops)
-        comps = self.engine.generate_ids([ids], req.n, params)
+        comps = self._generate([ids], req.n, params)
         version = comps[0].version if comps else self.engine.version
         choices = []
         for k, c in enumerate(comps):
@@ -291,8 +383,13 @@ class OpenAIFrontend:
             out = [list(x) for x in self.tokenizer(list(prompt), add_special_tokens=True)["input_ids"]]
         else:
             out = [list(x) for x in prompt]
-        if any(not p for p in out):
-            raise APIError(400, "every prompt must have at least one token")
+        for i, p in enumerate(out):
+            if not p:
+                raise APIError(400, "every prompt must have at least one token", param="prompt")
+            bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"prompt {i}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
         return out
 
     @staticmethod
@@ -327,27 +424,37 @@ def _sse(resp: CompletionResponse | ChatResponse) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
 def add_routes(app: Any, frontend: OpenAIFrontend) -> None:
-    """Mount ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` on a FastAPI ``app``."""
+    """Mount ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` on a FastAPI ``app``,
+    with OpenAI-shaped errors (400 for invalid requests, also JSON that does not parse, 500 for a
+    failure inside the engine)."""
     from fastapi import Request
     from fastapi.exception_handlers import request_validation_exception_handler
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    def _error(status: int, message: str, code: str) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                       "code": code}}, status_code=status)
+    def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(status, message, code, param), status_code=status)
 
     @app.exception_handler(APIError)
     def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.code)
+        return _error(exc.status, exc.message, exc.code, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:
-        if request.url.path in ("/v1/completions", "/v1/chat/completions"):  # OpenAI answers 400
-            return _error(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()),
-                          "invalid_request_error")
+        if request.url.path in OPENAI_PATHS:  # OpenAI answers 400
+            errors = exc.errors()
+            loc = [str(x) for x in (errors[0]["loc"] if errors else ()) if x != "body"]
+            return _error(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors),
+                          "invalid_request_error", loc[0] if loc else None)
         return await request_validation_exception_handler(request, exc)
+
+    @app.exception_handler(Exception)
+    def _failed(_: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"the server failed on this request: {type(exc).__name__}: {exc}", "server_error")
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -364,15 +471,21 @@ def add_routes(app: Any, frontend: OpenAIFrontend) -> None:
         return StreamingResponse(_sse(resp), media_type="text/event-stream") if req.stream else resp
 
 
-def create_app(engine: TokenEngine, model_name: str = "policy", max_context: int | None = None) -> Any:
-    """A standalone FastAPI app serving ``engine`` over the OpenAI API (plus ``/health``)."""
+def create_app(engine: TokenEngine, model_name: str = "policy", max_context: int | None = None,
+               limits: ApiLimits | None = None) -> Any:
+    """A standalone FastAPI app serving ``engine`` over the OpenAI API (plus ``/health``), its
+    request bodies capped at ``limits.max_body_bytes``."""
     from fastapi import FastAPI
 
+    from infra.rollout.guard import BodyLimit
+
+    limits = limits or ApiLimits()
     app = FastAPI(title="deltaloop OpenAI-compatible rollout API")
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"ok": True, "version": int(getattr(engine, "version", 0) or 0)}
 
-    add_routes(app, OpenAIFrontend(engine, model_name, max_context))
+    add_routes(app, OpenAIFrontend(engine, model_name, max_context, limits))
     return app

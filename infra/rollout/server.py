@@ -16,6 +16,12 @@ OpenAI-compatible ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/
 (:mod:`infra.rollout.openai_api`; served model name ``spec.model_name``, default ``policy``) for
 agent harnesses and multi-turn environments. OpenAI requests do not take the worker lock: they join
 the engine's continuous batch, and the engine itself keeps weight loads between requests.
+
+Guards (:mod:`infra.rollout.guard`): every body is capped at ``rollout.max_body_bytes`` (413); the
+control endpoints ``/v1/load`` and ``/v1/rollout`` need the run's bearer token, derived from the run
+secret in ``$DELTALOOP_RUN_SECRET`` (the worker does not start without it), take only store keys in
+the run's rollout areas (401/403) and only versions that are committed (404); OpenAI requests are
+checked against ``rollout.max_request_*`` / ``max_stop*`` before they join the batch (400).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import threading
 import time
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from infra.lifeline import exit_with_parent
+from infra.rollout.errors import BadRequest, ControlRefused
+from infra.rollout.guard import check_rollout_key
 from infra.specs import RolloutSpec
-from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
+from infra.storage import ObjectNotFound, ObjectStore, get_json, open_store, put_json, run_key
 
 
 class RolloutWorker:
@@ -50,6 +58,7 @@ class RolloutWorker:
         model.eval()
         self.engine = create_engine(cfg.rollout, model, tokenizer)
         self.tokenizer = tokenizer
+        self.run_id = spec.run_id
         self.reader = VersionReader(self.store, run_key(spec.run_id, None, "weights"), threads=cfg.weight_sync.threads)
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
@@ -63,6 +72,8 @@ class RolloutWorker:
         with self._lock:
             started = time.perf_counter()
             have_version = self.version if self._tensors is not None else None
+            if version is not None and version not in self.reader.versions():
+                raise ControlRefused(f"weight version {version} is not committed in this run's store", 404)
             target = version if version is not None else self.reader.latest()
             if target is None:
                 raise LookupError("no weight version has been published yet")
@@ -85,17 +96,25 @@ class RolloutWorker:
 
     def rollout(self, prompts_key: str, out_key: str, n: int, temperature: float,
                 max_new_tokens: int, seed: int) -> dict[str, Any]:
-        """Generate ``n`` samples per prompt of the batch at ``prompts_key``; write ``out_key``."""
+        """Generate ``n`` samples per prompt of the batch at ``prompts_key``; write ``out_key``.
+
+        Both keys must lie in this run's rollout areas (:func:`infra.rollout.guard.check_rollout_key`)."""
         from infra.rollout.engine import SamplingParams
 
         from infra.model import render_prompts
 
-        batch = get_json(self.store, prompts_key)
-        prompts: list[Any] = batch["prompts"]
-        render = batch.get("render") or {"chat": "off", "system_prompt": None}
+        check_rollout_key(self.run_id, prompts_key, "prompts_key")
+        check_rollout_key(self.run_id, out_key, "out_key")
+        try:
+            batch = get_json(self.store, prompts_key)
+        except ObjectNotFound as exc:
+            raise ControlRefused(f"prompts_key {prompts_key!r} does not exist", 404) from exc
+        except ValueError as exc:
+            raise BadRequest(f"prompts_key {prompts_key!r} is not JSON: {exc}") from exc
+        prompts, render, stop = _prompt_batch(batch, prompts_key)
         prompt_ids = render_prompts(self.tokenizer, prompts, render["chat"], render.get("system_prompt"))
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=self.cfg.rollout.top_p, stop=list(batch.get("stop", ["\n"])), seed=seed)
+                                top_p=self.cfg.rollout.top_p, stop=stop, seed=seed)
         with self._lock:
             version = self.version
             started = time.perf_counter()
@@ -114,14 +133,32 @@ class RolloutWorker:
                 "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
+def _prompt_batch(batch: Any, key: str) -> tuple[list[Any], dict[str, Any], list[str]]:
+    """The prompts, render settings and stop strings of a prompt batch document, or
+    :class:`BadRequest` naming what is malformed (the document comes from the store)."""
+    if not isinstance(batch, dict) or not isinstance(batch.get("prompts"), list) or not batch["prompts"]:
+        raise BadRequest(f"{key}: 'prompts' must be a non-empty list")
+    render = batch.get("render") or {"chat": "off", "system_prompt": None}
+    if not isinstance(render, dict) or "chat" not in render:
+        raise BadRequest(f"{key}: 'render' must be an object with 'chat'")
+    stop = batch.get("stop", ["\n"])
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise BadRequest(f"{key}: 'stop' must be a list of strings")
+    return batch["prompts"], render, list(stop)
+
+
 class LoadReq(BaseModel):
     """Body of ``POST /v1/load``: the version to serve (None = newest)."""
 
-    version: int | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    version: int | None = Field(None, ge=1)
 
 
 class RolloutReq(BaseModel):
     """Body of ``POST /v1/rollout``: where the prompts are, where to write, how to sample."""
+
+    model_config = ConfigDict(extra="forbid")
 
     prompts_key: str
     out_key: str
@@ -131,14 +168,29 @@ class RolloutReq(BaseModel):
     seed: int = 0
 
 
-def build_app(worker: RolloutWorker, model_name: str = "policy") -> Any:
-    """The FastAPI application serving ``worker`` (worker endpoints plus the OpenAI API)."""
-    from fastapi import FastAPI, HTTPException
+def build_app(worker: RolloutWorker, token: str, model_name: str = "policy") -> Any:
+    """The FastAPI application serving ``worker`` (worker endpoints plus the OpenAI API); the
+    control endpoints require ``Authorization: Bearer <token>``."""
+    from fastapi import FastAPI, HTTPException, Request
+    from fastapi.responses import JSONResponse
 
-    from infra.rollout.openai_api import OpenAIFrontend, add_routes
+    from infra.rollout.guard import BodyLimit, ControlAuth
+    from infra.rollout.openai_api import OPENAI_PATHS, ApiLimits, OpenAIFrontend, add_routes, error_body
 
+    limits = ApiLimits.of(worker.cfg.rollout)
     app = FastAPI(title="deltaloop rollout worker")
-    add_routes(app, OpenAIFrontend(worker.engine, model_name))
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(ControlAuth, token=token, open_paths=OPENAI_PATHS)  # outermost: before the body is read
+    add_routes(app, OpenAIFrontend(worker.engine, model_name, limits=limits))
+
+    @app.exception_handler(ControlRefused)
+    def _refused(_: Request, exc: ControlRefused) -> JSONResponse:
+        return JSONResponse(error_body(exc.status, str(exc), "not_found" if exc.status == 404 else "forbidden"),
+                            status_code=exc.status)
+
+    @app.exception_handler(BadRequest)
+    def _bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc), "invalid_request_error"), status_code=400)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -174,6 +226,10 @@ def main() -> None:
     args = parser.parse_args()
     spec = RolloutSpec.read(args.spec)
     exit_with_parent()
+    from infra.rollout.guard import control_token
+    from infra.secrets import run_secret
+
+    token = control_token(run_secret())  # from $DELTALOOP_RUN_SECRET; no secret, no worker
     sock = bind_socket(spec.bind, spec.port)
     worker = RolloutWorker(spec)
     from infra.gcpause import freeze_startup_objects
@@ -182,7 +238,7 @@ def main() -> None:
     # published once the model is loaded: a reported address answers /health within moments
     host = spec.bind if spec.bind in ("127.0.0.1", "localhost", "::1") else host_address()
     publish_address(worker.store, spec.address_key, host, sock.getsockname()[1])
-    config = uvicorn.Config(build_app(worker, spec.model_name), log_level="warning")
+    config = uvicorn.Config(build_app(worker, token, spec.model_name), log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -8,6 +8,11 @@ that port. A worker that does not come up is started once more, then provision f
 :class:`~infra.proc.ServiceStartError` line. Per-step tasks call :meth:`RolloutService.load` and
 :meth:`RolloutService.rollout`; :meth:`RolloutService.close` stops the process tree, and the worker
 also exits by itself when the flow process disappears.
+
+The worker gets the run secret in its environment; the control calls send the token derived from
+it (``Authorization: Bearer``, :func:`infra.rollout.guard.control_token`). A refused call raises
+:class:`~infra.rollout.errors.ControlRefused`, any other non-200 answer
+:class:`~infra.rollout.errors.RolloutError`, both with the worker's one-line reason.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 
 from infra.config import RunConfig
 from infra.proc import ServiceDied, ServiceSpec, describe_exit, http_probe, start_with_retry, tail, wait_until
+from infra.rollout.errors import ControlRefused, RolloutError
+from infra.rollout.guard import control_token
 from infra.rpc import address_probe
 from infra.secrets import run_secret, secret_env
 from infra.specs import RolloutSpec
@@ -103,12 +110,20 @@ class RolloutService:
     def _post(self, path: str, body: dict[str, Any], timeout: float = 3600.0) -> dict[str, Any]:
         import httpx
 
+        headers = {"Authorization": f"Bearer {control_token(run_secret(self.run_dir))}"}
         try:
-            resp = httpx.post(self.url + path, json=body, timeout=timeout)
+            resp = httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
             raise ServiceDied(f"rollout worker {path}: {exc}; {self.dead_reason() or 'still running'}") from exc
         if resp.status_code != 200:
-            raise RuntimeError(f"rollout worker {path} -> HTTP {resp.status_code}: {resp.text[:500]}")
+            try:
+                reason = str(resp.json()["error"]["message"])
+            except (ValueError, KeyError, TypeError):
+                reason = resp.text[:500]
+            message = f"rollout worker {path} -> HTTP {resp.status_code}: {reason}"
+            if resp.status_code in (401, 403, 404):
+                raise ControlRefused(message, resp.status_code)
+            raise RolloutError(message)
         return resp.json()
 
     def load(self, version: int | None = None) -> dict[str, Any]:

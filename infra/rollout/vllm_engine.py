@@ -80,7 +80,7 @@ class VLLMEngine:
         """Like :meth:`generate` for token-id prompts."""
         from vllm import SamplingParams as VSP
 
-        check_request(prompt_ids, n)
+        check_request(prompt_ids, n, len(self.tokenizer))  # refused before vLLM sees it
         reqs, sps, index = [], [], []
         for i, ids in enumerate(prompt_ids):
             for j in range(n):

@@ -37,9 +37,10 @@ def test_worker_serves_openai_and_loads_versions_in_place(tmp_path: Path) -> Non
         VersionPublisher(store, run_key("run1", None, "weights"), keyframe_every=10).publish(publishable_state(other))
         assert service.load()["version"] >= 0 and service.version() == service.load()["version"]
         version = service.version()
-        put_json(store, "prompts.json", {"prompts": ["1,2=", "7,8,9="]})
-        info = service.rollout("prompts.json", "out.json", n=2, temperature=1.0, max_new_tokens=6, seed=0)
-        assert info["samples"] == 4 and get_json(store, "out.json")["version"] == version
+        prompts_key, out_key = run_key("run1", 1, "prompts.json"), run_key("run1", 1, "rollouts.json")
+        put_json(store, prompts_key, {"prompts": ["1,2=", "7,8,9="]})
+        info = service.rollout(prompts_key, out_key, n=2, temperature=1.0, max_new_tokens=6, seed=0)
+        assert info["samples"] == 4 and get_json(store, out_key)["version"] == version
         after = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1,2,3="}],
                                                max_tokens=8, temperature=0, seed=0)
         assert after.system_fingerprint == f"v{version}"
