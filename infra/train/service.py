@@ -21,7 +21,6 @@ rank outlives its flow.
 from __future__ import annotations
 
 import os
-import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 from infra.cluster.base import GroupHandle
 from infra.config import RunConfig
 from infra.proc import ServiceDied, start_with_retry, tail
-from infra.rpc import RpcClient
+from infra.rpc import RpcClient, control_key
 from infra.secrets import run_secret, secret_env
 from infra.specs import TrainerSpec
 from infra.storage import ObjectStore, run_key
@@ -58,7 +57,6 @@ class TrainerService:
         self.run_dir = Path(run_dir)
         self.init_dir = init_dir
         self.control_key = run_key(run_id, None, "control", "trainer.json")
-        self._authkey = secrets.token_bytes(32)
         self._handle: GroupHandle | None = None
         self._client: RpcClient | None = None
         self._logs: list[str] = []
@@ -76,7 +74,6 @@ class TrainerService:
         spec.write(self.run_dir / "trainer_spec.json")
         env = {
             **spec.to_env(),
-            "DELTALOOP_AUTHKEY": self._authkey.hex(),
             **secret_env(run_secret(self.run_dir)),
             "DELTALOOP_PARENT_PID": str(os.getpid()),
             "PYTHONUNBUFFERED": "1",
@@ -90,9 +87,21 @@ class TrainerService:
         started = time.time()
         self._handle = self._provider.launch("infra.train.worker", [], env, str(self.run_dir / "logs"))
         self._logs = list(getattr(self._handle, "logs", []))
-        self._client = RpcClient.connect(
-            self.store, self.control_key, self._authkey, self.cfg.cluster.start_timeout_s, self.dead_reason, started - 1
-        )
+        self._client = RpcClient.connect(self.store, self.control_key, control_key(self.run_dir),
+                                         self.cfg.cluster.start_timeout_s, self.dead_reason, started - 1)
+
+    def reconnect(self) -> None:
+        """Drop the control connection and connect to the running group again (its state is kept).
+
+        Rank 0 serves a new controller whenever the previous connection ended, so a broken
+        connection need not cost a restart from the last checkpoint."""
+        if self._handle is None:
+            raise ServiceDied("trainer service is not running")
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._client = RpcClient.connect(self.store, self.control_key, control_key(self.run_dir),
+                                         self.cfg.cluster.start_timeout_s, self.dead_reason)
 
     def dead_reason(self) -> str | None:
         """None while the group runs; else why it stopped, with the end of its log."""

@@ -5,8 +5,10 @@ config and the run's identity) from ``$DELTALOOP_SPEC``, or from ``--spec FILE``
 
 The rank builds the policy and wraps it in the configured engine (``trainer.engine``: torch replica
 with a flat gradient all-reduce, FSDP, or DeepSpeed ZeRO; see :mod:`infra.train.engines`). Rank 0
-owns the control channel: it receives a command, broadcasts it to all ranks, every rank executes it
-on its shard of the data, and rank 0 replies.
+owns the control channel (:mod:`infra.rpc`, keyed by the run secret): it receives a command,
+broadcasts it to all ranks, every rank executes it on its shard of the data, and rank 0 replies. A
+peer that fails the channel's handshake is logged and ignored; when the flow's connection ends, rank 0
+serves the flow's next connection, and with none for ``cluster.start_timeout_s`` the group shuts down.
 
 Steps are keyed by (run, step) and strictly ordered: ``train_step`` for a step the trainer has
 already done returns the stored result (a retried Prefect task never double-trains), and a step
@@ -379,30 +381,22 @@ def main() -> None:
     from infra.gcpause import freeze_startup_objects
 
     freeze_startup_objects()  # later full GCs skip torch's ~170k import-time objects (~110 ms each)
-    listener = conn = None
+    server = None
     if trainer.rank == 0:
-        from infra.rpc import serve_listener
+        from infra.rpc import control_key, serve_listener
 
         bind = "127.0.0.1" if cfg.cluster.type == "local" else "0.0.0.0"
-        listener = serve_listener(store, spec.control_key, bytes.fromhex(os.environ["DELTALOOP_AUTHKEY"]), bind)
-        conn = listener.accept()
+        server = serve_listener(store, spec.control_key, control_key(), bind)
     while True:
-        box: list[Any] = [None]
-        if trainer.rank == 0:
-            assert conn is not None
-            try:
-                box[0] = conn.recv()
-            except (EOFError, OSError):
-                box[0] = {"op": "shutdown"}
-        dist.broadcast_object_list(box, src=0)
+        # rank 0 waits for the flow's command; a controller that goes away may reconnect, and with
+        # none for start_timeout_s (the flow's own wait for the group) the group shuts down
+        box: list[Any] = [server.next_command(cfg.cluster.start_timeout_s) if server is not None else None]
+        dist.broadcast_object_list(box, src=0)  # between ranks (trusted peers, see docs/security.md)
         cmd = dict(box[0])
         op = cmd.get("op")
         if op == "shutdown":
-            if conn is not None:
-                try:
-                    conn.send({"ok": True})
-                except OSError:
-                    pass
+            if server is not None:
+                server.reply({"ok": True})
             break
         try:
             reply = trainer.handle(cmd)
@@ -412,10 +406,10 @@ def main() -> None:
                 os._exit(17)
             reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
                      "retryable": is_retryable(exc)}
-        if conn is not None:
-            conn.send(reply)
-    if listener is not None:
-        listener.close()
+        if server is not None:
+            server.reply(reply)
+    if server is not None:
+        server.close()
     dist.destroy_process_group()
 
 
