@@ -26,13 +26,17 @@ import os
 import secrets
 from pathlib import Path
 
+from infra.errors import DeltaloopError
+
 SECRET_ENV = "DELTALOOP_RUN_SECRET"
 KEY_FILE = "run.key"
 SECRET_BYTES = 32
 
 
-class SecretError(RuntimeError):
+class SecretError(DeltaloopError):
     """The run secret is missing or malformed (the message says where it was looked for)."""
+
+    retryable = False
 
 
 def _parse(text: str, where: str) -> bytes:
@@ -90,5 +94,6 @@ def mac(key: bytes, data: bytes) -> str:
 
 
 def mac_ok(key: bytes, data: bytes, tag: object) -> bool:
-    """Whether ``tag`` is ``data``'s MAC under ``key`` (constant-time; any non-string is wrong)."""
-    return isinstance(tag, str) and hmac.compare_digest(mac(key, data), tag)
+    """Whether ``tag`` is ``data``'s MAC under ``key`` (constant-time; anything but an ASCII string,
+    e.g. a header an attacker filled with other characters, is simply wrong)."""
+    return isinstance(tag, str) and tag.isascii() and hmac.compare_digest(mac(key, data), tag)

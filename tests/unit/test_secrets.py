@@ -45,3 +45,4 @@ def test_purposes_get_different_keys_and_macs_verify() -> None:
     assert not mac_ok(b, b"manifest", tag)
     assert not mac_ok(a, b"manifest!", tag)
     assert not mac_ok(a, b"manifest", None) and not mac_ok(a, b"manifest", 3)
+    assert not mac_ok(a, b"manifest", "é" * len(tag))
