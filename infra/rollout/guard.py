@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import re
 from typing import Any, Awaitable, Callable
 
-from infra.rollout.errors import ControlRefused
+from infra.rollout.errors import ControlRefused, RolloutError
 from infra.secrets import derive_key
 
 CONTROL_PURPOSE = "rollout-control"
@@ -36,9 +37,30 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+TOKEN_ENV = "DELTALOOP_ROLLOUT_TOKEN"
+
+
 def control_token(secret: bytes) -> str:
     """The bearer token of the worker's control endpoints for a run with ``secret``."""
     return derive_key(secret, CONTROL_PURPOSE).hex()
+
+
+def token_env(secret: bytes) -> dict[str, str]:
+    """The environment entry that hands the worker its token: only the token, never the run secret.
+
+    The worker parses untrusted HTTP; holding the run secret would let a compromised worker derive
+    the trainer's RPC key and the checkpoint MAC key. With only its own token it can drive itself.
+    """
+    return {TOKEN_ENV: control_token(secret)}
+
+
+def worker_token() -> str:
+    """The token the worker checks, from :data:`TOKEN_ENV` (raises :class:`RolloutError` when it is
+    missing or malformed: no token, no worker)."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if len(token) != 64 or any(c not in "0123456789abcdef" for c in token):
+        raise RolloutError(f"the rollout worker needs its control token in ${TOKEN_ENV} (64 hex digits)")
+    return token
 
 
 def check_bearer(header: str | None, token: str) -> None:

@@ -19,7 +19,8 @@ the engine's continuous batch, and the engine itself keeps weight loads between 
 
 Guards (:mod:`infra.rollout.guard`): every body is capped at ``rollout.max_body_bytes`` (413); the
 control endpoints ``/v1/load`` and ``/v1/rollout`` need the run's bearer token, derived from the run
-secret in ``$DELTALOOP_RUN_SECRET`` (the worker does not start without it), take only store keys in
+secret and handed to the worker alone in ``$DELTALOOP_ROLLOUT_TOKEN`` (the worker never holds the run
+secret, and does not start without its token), take only store keys in
 the run's rollout areas (401/403) and only versions that are committed (404); OpenAI requests are
 checked against ``rollout.max_request_*`` / ``max_stop*`` before they join the batch (400).
 """
@@ -226,10 +227,9 @@ def main() -> None:
     args = parser.parse_args()
     spec = RolloutSpec.read(args.spec)
     exit_with_parent()
-    from infra.rollout.guard import control_token
-    from infra.secrets import run_secret
+    from infra.rollout.guard import worker_token
 
-    token = control_token(run_secret())  # from $DELTALOOP_RUN_SECRET; no secret, no worker
+    token = worker_token()  # from $DELTALOOP_ROLLOUT_TOKEN; no token, no worker
     sock = bind_socket(spec.bind, spec.port)
     worker = RolloutWorker(spec)
     from infra.gcpause import freeze_startup_objects

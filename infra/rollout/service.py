@@ -9,8 +9,8 @@ that port. A worker that does not come up is started once more, then provision f
 :meth:`RolloutService.rollout`; :meth:`RolloutService.close` stops the process tree, and the worker
 also exits by itself when the flow process disappears.
 
-The worker gets the run secret in its environment; the control calls send the token derived from
-it (``Authorization: Bearer``, :func:`infra.rollout.guard.control_token`). A refused call raises
+The worker gets only its control token in its environment (:func:`infra.rollout.guard.token_env`:
+never the run secret); the control calls send it (``Authorization: Bearer``). A refused call raises
 :class:`~infra.rollout.errors.ControlRefused`, any other non-200 answer
 :class:`~infra.rollout.errors.RolloutError`, both with the worker's one-line reason.
 """
@@ -24,9 +24,9 @@ from typing import Any
 from infra.config import RunConfig
 from infra.proc import ServiceDied, ServiceSpec, describe_exit, http_probe, start_with_retry, tail, wait_until
 from infra.rollout.errors import ControlRefused, RolloutError
-from infra.rollout.guard import control_token
+from infra.rollout.guard import control_token, token_env
 from infra.rpc import address_probe
-from infra.secrets import run_secret, secret_env
+from infra.secrets import run_secret
 from infra.specs import RolloutSpec
 from infra.storage import ObjectStore, run_key
 
@@ -67,7 +67,8 @@ class RolloutService:
         spec.write(self.run_dir / "rollout_spec.json")
         service = ServiceSpec.python(
             "rollout worker", "infra.rollout.server", [],
-            env={**spec.to_env(), **secret_env(run_secret(self.run_dir)), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.cfg.rollout.threads)},
+            env={**spec.to_env(), **token_env(run_secret(self.run_dir)), "PYTHONUNBUFFERED": "1",
+                 "OMP_NUM_THREADS": str(self.cfg.rollout.threads)},
             log=self._log,
         )
         self._started = time.time()

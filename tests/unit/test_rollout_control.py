@@ -106,3 +106,19 @@ def test_rollout_key_rule() -> None:
         with pytest.raises(ControlRefused) as info:
             check_rollout_key("r", key, "k")
         assert info.value.status == 403
+
+
+def test_worker_holds_only_its_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker parses untrusted HTTP, so it is handed its control token and never the run secret
+    (from which the trainer's RPC key and the checkpoint MAC key derive); no valid token, no worker."""
+    from infra.rollout.errors import RolloutError
+    from infra.rollout.guard import TOKEN_ENV, token_env, worker_token
+
+    env = token_env(SECRET)
+    assert list(env) == [TOKEN_ENV] and SECRET.hex() not in env[TOKEN_ENV]
+    monkeypatch.setenv(TOKEN_ENV, env[TOKEN_ENV])
+    assert worker_token() == control_token(SECRET)
+    for bad in ("", "00" * 8, "zz" * 32):
+        monkeypatch.setenv(TOKEN_ENV, bad)
+        with pytest.raises(RolloutError, match=TOKEN_ENV):
+            worker_token()
