@@ -231,9 +231,10 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int,
     Encode is the publisher's path: the delta against its private base, the base updated in place,
     the hot-word lists kept across versions (warmed by one untimed version, then timed on versions
     that alternate after -> before -> after, each with the same changed positions). Decode is the
-    reader's path (``apply_frame``: in-place decode + digest). Returns wall-clock rates, rates per
-    CPU-second of this process (what one core does when the machine is shared and the process keeps
-    getting descheduled) and, last, the stateless encode rate (no base update, no kept lists).
+    reader's path (``apply_frame``: frame digest check, in-place decode + digest). Returns
+    wall-clock rates, rates per CPU-second of this process (what one core does when the machine is
+    shared and the process keeps getting descheduled) and, last, the stateless encode rate (no base
+    update, no kept lists).
     """
     from infra.weightsync.chunks import apply_frame, encode_chunk
     from infra.weightsync.hotwords import HotWords
@@ -276,7 +277,7 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int,
 
             def dec(i: int) -> None:
                 if results[i].delta is not None:
-                    apply_frame(results[i].delta, bufs[i], results[i].digest)
+                    apply_frame(results[i].delta, bufs[i], results[i].digest, frame_h=results[i].delta_h)
 
             t0, c0 = time.perf_counter(), time.process_time()
             list(pool.map(dec, range(len(jobs))))

@@ -72,8 +72,13 @@ def fetch(
     strict: bool = typer.Option(False, "--strict", help="Fail on the first fault instead of recovering."),
 ) -> None:
     """Fetch a version into OUT as a safetensors folder identical to the one published."""
+    import logging
+
     from infra.weightsync import VersionReader, read_folder, read_marker, write_folder
 
+    # each fault the reader recovers from is printed below once; a fault it cannot recover from is
+    # the one ``error:`` line: its log records would only repeat them
+    logging.getLogger("infra.weightsync.reader").setLevel(logging.ERROR)
     st = _open(store, endpoint_url)
     rd = VersionReader(st, prefix, threads=threads, strict=strict)
     have = have_version = None

@@ -1,5 +1,6 @@
 """Test helpers for weight sync: a small bf16 model that drifts like RL updates, random word pairs
-for the codec, and the bit-exact compare (``same``, from :mod:`infra.weightsync.rawbytes`)."""
+for the codec, the bit-exact compare (``same``, from :mod:`infra.weightsync.rawbytes`), and manifest
+objects decoded and re-encoded as plain JSON (to craft what a writer of the store could write)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from infra.weightsync.rawbytes import same_bits as same
 
-__all__ = ["Drift", "same", "word_pair"]
+__all__ = ["Drift", "manifest_blob", "manifest_doc", "same", "word_pair"]
 
 
 class Drift:
@@ -57,3 +58,29 @@ def word_pair(rng: np.random.Generator, trial: int) -> tuple[np.ndarray, np.ndar
         moved = tiny & (rng.random(n) < 0.9)
         new[moved] += rng.integers(4, 100, n).astype(dt)[moved]
     return old, new
+
+
+def manifest_doc(blob: bytes) -> tuple[dict, bytes]:
+    """``(JSON document, carried frames)`` of a manifest object, decoded here rather than by the code
+    under test, so tests can craft what an attacker with write access to the store would write."""
+    import json
+    import struct
+
+    import zstandard
+
+    tail = b""
+    if blob[:4] == b"DLM2":
+        (n,) = struct.unpack_from("<I", blob, 4)
+        blob, tail = blob[8 : 8 + n], blob[8 + n :]
+    return json.loads(zstandard.ZstdDecompressor().decompress(blob, max_output_size=1 << 28)), tail
+
+
+def manifest_blob(doc: object, tail: bytes = b"") -> bytes:
+    """Inverse of :func:`manifest_doc`: any JSON value (valid or not) as a manifest object."""
+    import json
+    import struct
+
+    import zstandard
+
+    packed = zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
+    return b"DLM2" + struct.pack("<I", len(packed)) + packed + tail if tail else packed

@@ -26,6 +26,7 @@ The package, in reading order (each module's docstring says what it does and why
 ``schedule.py``          the reader's pipeline: byte ranges downloaded and decoded in version order
 ``errors.py``            :class:`WeightSyncError` and its subclasses (each names version and tensor)
 ``layout.py``            object names, the manifest format, chunk bounds, version listing
+``validate.py``          the checks of every name, size, count and offset a manifest gives
 ``gc.py``                :func:`collect`: delete versions no reader path still needs
 ``folder.py``            safetensors folders <-> versions (``deltaloop sync publish/fetch``)
 ``chunks.py``            the per-chunk work of publisher and reader: encode, decode + verify

@@ -1,8 +1,10 @@
 """Per-chunk work shared by the publisher, the reader and the benchmark.
 
-``encode_chunk`` is everything the publisher does for one chunk (frames, digest, base update);
-``apply_frame`` is everything the reader does for one frame (decode in place, verify digest). The
-benchmark times exactly these, so its GB/s are the production path's.
+``encode_chunk`` is everything the publisher does for one chunk (frames and their digests, the
+chunk digest, base update); ``apply_frame`` is everything the reader does for one frame (check the
+frame digest, decode in place, verify the chunk digest). The benchmark times exactly these, so its
+GB/s are the production path's. ``apply_frame`` raises only :class:`CorruptData`: a frame comes
+from the store, and whatever is wrong with it is corrupt data to the reader, never another error.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infra.errors import DeltaloopError
 from infra.weightsync.codec import (
     DENSE_FRACTION,
     CodecName,
@@ -21,6 +22,7 @@ from infra.weightsync.codec import (
     encode_raw,
     sparse_frame,
 )
+from infra.weightsync.errors import CorruptData
 from infra.weightsync.hotwords import MARGIN, ChunkHot
 from infra.weightsync.kernels import encode_sparse_update
 from infra.weightsync.layout import digest
@@ -34,6 +36,14 @@ class EncodedChunk:
     delta: bytes | None  # delta frame; None when the chunk did not change (or no base)
     digest: str  # xxh3-128 of the new words
     changed: int  # words that differ from the base (all of them without a base)
+    key_h: str | None = None  # xxh3-128 of the keyframe frame's bytes
+    delta_h: str | None = None  # xxh3-128 of the delta frame's bytes
+
+    def __post_init__(self) -> None:
+        if self.key is not None and self.key_h is None:
+            self.key_h = digest(self.key)
+        if self.delta is not None and self.delta_h is None:
+            self.delta_h = digest(self.delta)
 
 
 def encode_chunk(
@@ -98,22 +108,33 @@ def _encode_native(old: np.ndarray, new: np.ndarray, codec: CodecName, level: in
     return sparse_frame(planes, positions, new.dtype.itemsize, len(new), changed, level), h, changed
 
 
-class ChecksumMismatch(DeltaloopError, ValueError):
+class ChecksumMismatch(CorruptData, ValueError):
     """The decoded chunk does not hash to the digest its manifest recorded."""
 
 
-def apply_frame(frame: bytes | memoryview, buf: np.ndarray, expect: str, hot: ChunkHot | None = None) -> None:
+def apply_frame(frame: bytes | memoryview, buf: np.ndarray, expect: str, hot: ChunkHot | None = None, *,
+                frame_h: str | None = None) -> None:
     """Decode ``frame`` into ``buf`` (holding the base words) in place and verify the digest.
 
-    ``hot``: the hot-word list of ``buf``; updated to the decoded words when the digest matches.
-    (On a mismatch the caller must drop its hot lists: ``buf`` is no longer a known version.)"""
-    if hot is None:  # the reader's case: one native call for decode + digest when possible
-        got = decode_digest(frame, buf)
-        if got is not None:
-            if got != expect:
-                raise ChecksumMismatch("checksum mismatch after decoding")
-            return
-    idx = decode_into(frame, buf, hot)
+    ``frame_h``: the frame's own digest from the manifest, checked before the frame is decoded
+    (``buf`` is then untouched on a mismatch). ``hot``: the hot-word list of ``buf``; updated to the
+    decoded words when the digest matches. (On a mismatch the caller must drop its hot lists:
+    ``buf`` is no longer a known version.) Raises :class:`CorruptData` for any fault of the frame:
+    the decoders' errors for a truncated or malformed frame, a frame digest or checksum mismatch."""
+    if frame_h is not None and digest(frame) != frame_h:
+        raise CorruptData("frame digest mismatch (the frame's bytes are not the ones its manifest names)")
+    try:
+        if hot is None:  # the reader's case: one native call for decode + digest when possible
+            got = decode_digest(frame, buf)
+            if got is not None:
+                if got != expect:
+                    raise ChecksumMismatch("checksum mismatch after decoding")
+                return
+        idx = decode_into(frame, buf, hot)
+    except ValueError as exc:  # the decoders' one error type for a malformed frame (numba raises it too)
+        if isinstance(exc, CorruptData):
+            raise
+        raise CorruptData(f"malformed frame: {exc}") from None
     if digest(buf) != expect:
         raise ChecksumMismatch("checksum mismatch after decoding")
     if hot is not None:

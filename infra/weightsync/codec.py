@@ -88,7 +88,12 @@ def _unsplit(planes: np.ndarray, n: int, w: int, out: np.ndarray | None = None) 
 
 
 def _decompress(data: memoryview | bytes, size: int) -> bytes:
+    """The ``size`` bytes a zstd frame holds. The content size a frame header declares is checked
+    first: zstd allocates that much whatever ``max_output_size`` says."""
     try:
+        declared = zstandard.frame_content_size(data)
+        if declared > size:
+            raise ValueError(f"zstd frame declares {declared} bytes, expected {size}")
         out = _dctx().decompress(data, max_output_size=size)
     except zstandard.ZstdError as exc:
         raise ValueError(f"corrupt zstd stream: {exc}") from None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from infra.errors import DeltaloopError
 from infra.weightsync.errors import ManifestError
+from infra.weightsync.validate import relative_name
 
 if TYPE_CHECKING:
     import torch
@@ -72,11 +73,12 @@ def member_path(root: Path, rel: object, field: str) -> Path:
     """``root / rel`` for a file name ``rel`` read from a manifest's ``field``, refused unless it is a
     plain relative '/'-path (no absolute path, no ``.``/``..`` or empty segment, no backslash or NUL)
     that resolves inside ``root`` even through symlinks already in the folder. Raises
-    :class:`~infra.weightsync.errors.ManifestError` naming the field."""
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel or "\0" in rel or len(rel) > 1024:
-        raise ManifestError(f"manifest {field}: file name {rel!r} is not a relative path")
-    if any(part in ("", ".", "..") for part in rel.split("/")) or rel == MARKER:
-        raise ManifestError(f"manifest {field}: file name {rel!r} has an empty, '.' or '..' segment or is reserved")
+    :class:`~infra.weightsync.errors.ManifestError` naming the field. (Parsing a manifest checked
+    the name already, :func:`~infra.weightsync.validate.relative_name`; only here is the folder
+    known.)"""
+    rel = relative_name(rel, field)
+    if rel == MARKER:
+        raise ManifestError(f"manifest {field}: file name {rel!r} is reserved")
     base = root.resolve()
     path = (base / rel).resolve()
     if path == base or base not in path.parents:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from infra.weightsync.layout import MANIFEST, Manifest, manifest_key, scan_versions, version_dir
+from infra.weightsync.layout import MANIFEST, Manifest, manifest_key, read_manifest_object, scan_versions, version_dir
 
 if TYPE_CHECKING:
     from infra.storage import ObjectStore
@@ -55,7 +55,7 @@ def collect(store: "ObjectStore", prefix: str, keep: int) -> list[int]:
         live: set[str] = set()
         for v in committed:
             if v >= anchor:
-                live.update(Manifest.from_bytes(store.get(manifest_key(prefix, v)), v).files.values())
+                live.update(Manifest.from_bytes(read_manifest_object(store, prefix, v), v).files.values())
         for k in file_keys:
             if k.rsplit("/", 1)[1] not in live:
                 store.delete(k)

@@ -8,11 +8,13 @@ Under a prefix ``P`` (e.g. ``runs/<run>/weights``)::
     P/v00000007/manifest.json.zst    written LAST: the version exists once this object does
     P/files/<xxh3-128 hex>           side files (config.json...), content-addressed
 
-A manifest (zstd-compressed JSON) lists, per tensor: name, dtype, shape, byte size, an xxh3-128
-digest, and per chunk of ``chunk_bytes``: the chunk's xxh3-128 digest and where its frames live
-(``k``: keyframe frame, ``d``: delta frame, each ``[shard, offset, length]``; a delta version omits
-``d`` for chunks that did not change). The tensor digest is xxh3-128 over the concatenated chunk
-digests, so it is computed in parallel and is stable for a given ``chunk_bytes``.
+A manifest (zstd-compressed JSON) lists the shards with their sizes and, per tensor: name, dtype,
+shape, byte size, an xxh3-128 digest, and per chunk of ``chunk_bytes``: the chunk's xxh3-128 digest
+and where its frames live (``k``: keyframe frame, ``d``: delta frame, each ``[shard, offset, length,
+frame digest]``; a delta version omits ``d`` for chunks that did not change). The frame digest
+(xxh3-128 of the frame's bytes) is checked before the frame is decoded, the chunk digest after. The
+tensor digest is xxh3-128 over the tensor's name, dtype and shape and its chunk digests, so it is
+computed in parallel, is stable for a given ``chunk_bytes``, and binds the layout to the bytes.
 Keyframe versions after the first also carry delta frames, so a reader one version behind never
 downloads a keyframe.
 
@@ -21,6 +23,9 @@ manifest object after the JSON (``DLM2`` + u32 length of the zstd JSON + zstd JS
 the shard is named ``@manifest`` in ``shards``). That saves the publisher one PUT round trip after
 its last chunk and gives the reader those frames with the manifest, to decode while the other
 shards download. A manifest that carries no frames is the plain zstd JSON (no ``DLM2`` header).
+
+Parsing checks every name, size, count and offset before a reader uses any of them
+(:mod:`infra.weightsync.validate`): a manifest is written by whoever can write the store.
 """
 
 from __future__ import annotations
@@ -29,14 +34,18 @@ import json
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 import zstandard
 
 from infra.weightsync.errors import ManifestError
+from infra.weightsync.validate import MAX_MANIFEST_JSON, MAX_MANIFEST_OBJECT, check_document, default_max_bytes
 
-FORMAT = "deltaloop-weights/1"
+if TYPE_CHECKING:
+    from infra.storage import ObjectStore
+
+FORMAT = "deltaloop-weights/2"
 MANIFEST = "manifest.json.zst"
 KEYFRAME_MARK = "keyframe"
 TAIL_SHARD = "@manifest"  # shard name of the delta frames carried inside the manifest object
@@ -74,9 +83,20 @@ def digest(data: Any) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def tensor_digest(chunk_digests: list[str]) -> str:
-    """A tensor's digest from its chunk digests."""
-    return xxhash.xxh3_128_hexdigest("".join(chunk_digests).encode())
+def tensor_digest(name: str, dtype: str, shape: list[int], chunk_digests: list[str]) -> str:
+    """A tensor's digest: its name, dtype and shape, then its chunk digests (NUL-separated: a
+    tensor name has no NUL)."""
+    head = f"{name}\0{dtype}\0{','.join(map(str, shape))}\0"
+    return xxhash.xxh3_128_hexdigest((head + "".join(chunk_digests)).encode())
+
+
+def read_manifest_object(store: "ObjectStore", prefix: str, version: int) -> bytes:
+    """The manifest object of ``version``, read only up to :data:`MAX_MANIFEST_OBJECT` bytes (a
+    larger one is a :class:`ManifestError`, not read whole). Raises ``ObjectNotFound`` when absent."""
+    data = store.get_range(manifest_key(prefix, version), 0, MAX_MANIFEST_OBJECT + 1)
+    if len(data) > MAX_MANIFEST_OBJECT:
+        raise ManifestError(f"manifest object larger than {MAX_MANIFEST_OBJECT} bytes", version=version)
+    return data
 
 
 def scan_versions(keys: list[str]) -> tuple[list[int], set[int], set[int]]:
@@ -104,8 +124,8 @@ class ChunkEntry:
     """One chunk of a tensor in one version."""
 
     h: str
-    k: list | None = None  # [shard, offset, length] of the keyframe frame
-    d: list | None = None  # [shard, offset, length] of the delta frame; None = unchanged
+    k: list | None = None  # [shard, offset, length, frame digest] of the keyframe frame
+    d: list | None = None  # [shard, offset, length, frame digest] of the delta frame; None = unchanged
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's JSON for this chunk (absent frames are left out)."""
@@ -119,7 +139,7 @@ class ChunkEntry:
 
 @dataclass
 class TensorEntry:
-    """One tensor in one version: layout, byte size, digest (over the chunk digests), chunks."""
+    """One tensor in one version: layout, byte size, digest (:func:`tensor_digest`), chunks."""
 
     name: str
     dtype: str
@@ -142,6 +162,7 @@ class Manifest:
     files: dict[str, str] = field(default_factory=dict)  # side file name -> digest
     meta: dict[str, Any] = field(default_factory=dict)
     tail: bytes = b""  # frames of the ``TAIL_SHARD`` shard, stored after the JSON in the same object
+    shard_sizes: list[int] = field(default_factory=list)  # bytes of each shard, in ``shards`` order
 
     def to_bytes(self) -> bytes:
         """The manifest object: zstd JSON, preceded by ``DLM2`` + length and followed by the
@@ -153,6 +174,7 @@ class Manifest:
             "base": self.base,
             "chunk_bytes": self.chunk_bytes,
             "shards": self.shards,
+            "shard_sizes": self.shard_sizes,
             "tensors": [
                 {
                     "name": t.name,
@@ -173,8 +195,12 @@ class Manifest:
         return b"".join((_TAIL_MAGIC, _TAIL_LEN.pack(len(packed)), packed, self.tail))
 
     @classmethod
-    def from_bytes(cls, data: bytes, version: int) -> "Manifest":
-        """Parse a manifest object of ``version``; raises :class:`ManifestError` when unreadable."""
+    def from_bytes(cls, data: bytes, version: int, max_bytes: int | None = None) -> "Manifest":
+        """Parse and check a manifest object of ``version`` (:func:`~infra.weightsync.validate.check_document`;
+        ``max_bytes``: the most tensor bytes it may declare, default this machine's memory); raises
+        :class:`ManifestError` naming the field when it is unreadable or fails a check."""
+        if len(data) > MAX_MANIFEST_OBJECT:
+            raise ManifestError(f"manifest object larger than {MAX_MANIFEST_OBJECT} bytes", version=version)
         tail = b""
         if data[:4] == _TAIL_MAGIC:
             head = 4 + _TAIL_LEN.size
@@ -183,26 +209,26 @@ class Manifest:
                 raise ManifestError("manifest object truncated", version=version)
             data, tail = data[head:end], data[end:]
         try:
-            doc = json.loads(zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30))
-            if doc.get("format") != FORMAT:
-                raise ManifestError(f"unknown manifest format {doc.get('format')!r}", version=version)
-            if doc["version"] != version:
-                raise ManifestError(f"manifest says version {doc['version']}", version=version)
-            tensors = [
-                TensorEntry(
-                    t["name"], t["dtype"], list(t["shape"]), int(t["nbytes"]), t["h"],
-                    [ChunkEntry(c["h"], c.get("k"), c.get("d")) for c in t["chunks"]],
-                )
-                for t in doc["tensors"]
-            ]
-            return cls(
-                doc["version"], bool(doc["keyframe"]), doc["base"], int(doc["chunk_bytes"]),
-                list(doc["shards"]), tensors, dict(doc.get("files", {})), dict(doc.get("meta", {})), tail,
-            )
-        except ManifestError:
-            raise
-        except Exception as exc:  # any decode/shape problem of a committed manifest
-            raise ManifestError(f"unreadable manifest: {exc}", version=version) from exc
+            if zstandard.frame_content_size(data) > MAX_MANIFEST_JSON:  # (zstd would allocate it all)
+                raise ValueError(f"its JSON is over {MAX_MANIFEST_JSON} bytes")
+            text = zstandard.ZstdDecompressor().decompress(data, max_output_size=MAX_MANIFEST_JSON)
+            doc = json.loads(text)
+        except (zstandard.ZstdError, ValueError, RecursionError) as exc:  # (UnicodeDecodeError is a ValueError)
+            raise ManifestError(f"unreadable manifest: {str(exc)[:200]}", version=version) from None
+        if type(doc) is dict and doc.get("format") != FORMAT:
+            raise ManifestError(f"unknown manifest format {str(doc.get('format'))[:60]!r} (this reader reads "
+                                f"{FORMAT!r})", version=version)
+        check_document(doc, version, len(tail), default_max_bytes() if max_bytes is None else max_bytes)
+        tensors = []
+        for ti, t in enumerate(doc["tensors"]):
+            entry = TensorEntry(t["name"], t["dtype"], t["shape"], t["nbytes"], t["h"],
+                                [ChunkEntry(c["h"], c.get("k"), c.get("d")) for c in t["chunks"]])
+            if tensor_digest(entry.name, entry.dtype, entry.shape, [c.h for c in entry.chunks]) != entry.h:
+                raise ManifestError(f"manifest tensors[{ti}].h: not the digest of the tensor's name, dtype, "
+                                    "shape and chunk digests", version=version)
+            tensors.append(entry)
+        return cls(version, doc["keyframe"], doc.get("base"), doc["chunk_bytes"], doc["shards"], tensors,
+                   doc.get("files", {}), doc.get("meta", {}), tail, doc["shard_sizes"])
 
     def signature(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """Names, dtypes and shapes, in order (what a delta needs to match)."""

@@ -34,7 +34,7 @@ import numpy as np
 from infra.gcpause import deferred_gc
 from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
-from infra.weightsync.errors import WeightSyncError
+from infra.weightsync.errors import IncompatibleTensors, WeightSyncError
 from infra.weightsync.gc import collect
 from infra.weightsync.hotwords import HotWords
 from infra.weightsync.layout import (
@@ -52,7 +52,7 @@ from infra.weightsync.layout import (
     version_dir,
 )
 from infra.weightsync.pools import Pools, settle
-from infra.weightsync.rawbytes import dtype_name, tensor_words
+from infra.weightsync.rawbytes import DTYPE_SIZES, dtype_name, tensor_words
 from infra.weightsync.reader import VersionReader
 from infra.weightsync.warmup import warm_up
 
@@ -86,17 +86,21 @@ class _Shards:
         self.store, self.vdir, self.tag, self.limit = store, vdir, tag, shard_bytes
         self.io, self.pending = io, pending
         self.names: list[str] = []
+        self.sizes: list[int] = []  # bytes of each shard
         self.parts: list[bytes] = []
         self.size = 0
         self.written = 0
 
-    def add(self, frame: bytes) -> list:
-        """Append ``frame``; returns its ``[shard, offset, length]`` (shard index per kind)."""
+    def add(self, frame: bytes, frame_h: str) -> list:
+        """Append ``frame`` (whose digest is ``frame_h``); returns its ``[shard, offset, length,
+        digest]`` (shard index per kind)."""
         if not self.parts:
             self.names.append(f"{self.tag}-{len(self.names):04d}.bin")
-        loc = [len(self.names) - 1, self.size, len(frame)]
+            self.sizes.append(0)
+        loc = [len(self.names) - 1, self.size, len(frame), frame_h]
         self.parts.append(frame)
         self.size += len(frame)
+        self.sizes[-1] = self.size
         if self.size >= self.limit:
             self.flush()
         return loc
@@ -217,6 +221,10 @@ class VersionPublisher:
         names = list(tensors)
         words = {n: tensor_words(tensors[n]) for n in names}
         sig = [(n, dtype_name(tensors[n].dtype), tuple(tensors[n].shape)) for n in names]
+        for n, dt, _shape in sig:
+            if dt not in DTYPE_SIZES:
+                raise IncompatibleTensors(f"dtype {dt} cannot be synced (known: {', '.join(DTYPE_SIZES)})",
+                                          version=version, tensor=n)
         has_base = self._base is not None and sig == self._sig
         is_key = bool(keyframe) or not has_base or (version - 1) % self.keyframe_every == 0
         if self._base is not None and not has_base and sig != self._sig:
@@ -268,8 +276,8 @@ class VersionPublisher:
                 pending.append(io.submit(self.store.put, f"{vdir}/{KEYFRAME_MARK}", b""))
             file_digests, file_bytes = self._put_files(files or {})
             # the manifest is built while the last shards upload; it is written after they all are
-            man = self._manifest(version, is_key, base is not None, names, sig, tensors, entries, len(kshards.names),
-                                 dshards.names, file_digests, meta, tail)
+            man = self._manifest(version, is_key, base is not None, names, sig, tensors, entries, kshards.sizes,
+                                 dshards.names, dshards.sizes, file_digests, meta, tail)
             blob = man.to_bytes()
             while pending:
                 pending.popleft().result()
@@ -353,9 +361,9 @@ class VersionPublisher:
             for (n, ci, s, e), res in zip(specs, results):
                 entry = ChunkEntry(res.digest)
                 if res.key is not None:
-                    entry.k = kshards.add(res.key)
+                    entry.k = kshards.add(res.key, res.key_h)
                 if res.delta is not None:
-                    entry.d = dshards.add(res.delta)
+                    entry.d = dshards.add(res.delta, res.delta_h)
                 entries[n].append(entry)
                 changed += res.changed
                 total += e - s
@@ -372,14 +380,16 @@ class VersionPublisher:
         sig: list[tuple[str, str, tuple[int, ...]]],
         tensors: dict[str, "torch.Tensor"],
         entries: dict[str, list[ChunkEntry]],
-        key_shards: int,
+        key_sizes: list[int],
         delta_shards: list[str],
+        delta_sizes: list[int],
         file_digests: dict[str, str],
         meta: dict[str, Any] | None,
         tail: bytes,
     ) -> Manifest:
         """The manifest of ``version``: keyframe shards first, then delta shards, whose indices in
         ``entries`` (per kind) are shifted to index the manifest's one list of shards."""
+        key_shards = len(key_sizes)
         shard_names = [f"k-{i:04d}.bin" for i in range(key_shards)]
         man = Manifest(
             version=version,
@@ -387,9 +397,10 @@ class VersionPublisher:
             base=(version - 1) if has_base else None,
             chunk_bytes=self.chunk_bytes,
             shards=shard_names + delta_shards,
+            shard_sizes=key_sizes + delta_sizes,
             tensors=[
                 TensorEntry(n, s[1], list(s[2]), int(tensors[n].element_size() * tensors[n].numel()),
-                            tensor_digest([c.h for c in entries[n]]), entries[n])
+                            tensor_digest(n, s[1], list(s[2]), [c.h for c in entries[n]]), entries[n])
                 for n, s in zip(names, sig)
             ],
             files=file_digests,
@@ -399,7 +410,7 @@ class VersionPublisher:
         for t in man.tensors:
             for c in t.chunks:
                 if c.d is not None:
-                    c.d = [c.d[0] + key_shards, c.d[1], c.d[2]]
+                    c.d = [c.d[0] + key_shards, *c.d[1:]]
         return man
 
     def _put_files(self, files: dict[str, bytes]) -> tuple[dict[str, str], int]:

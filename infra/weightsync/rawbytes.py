@@ -16,6 +16,17 @@ if TYPE_CHECKING:
 
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
+# element size of every dtype a version may hold, by :func:`dtype_name` (known without importing
+# torch: a manifest's sizes are checked against it when parsed; the sub-byte, bit and quantized
+# dtypes are not synced)
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+}
+
 
 def word_width(element_size: int) -> int:
     """Word width (bytes) used for elements of ``element_size`` bytes."""

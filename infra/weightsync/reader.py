@@ -18,6 +18,11 @@ behind, path 1 runs before any listing: see :meth:`VersionReader._next_version`)
 explicit target was given, the newest intact keyframe is returned (its version is the second
 element of the result).
 
+Every manifest is checked when it is read (:mod:`infra.weightsync.validate`): sizes, counts,
+offsets and names, and a total of at most ``max_bytes`` (default: this machine's memory), so a
+crafted version is a :class:`ManifestError` (handled like any other fault above), never an
+allocation it asked for. Every frame's digest is checked before the frame is decoded.
+
 Pipeline and memory bound (:mod:`infra.weightsync.schedule`): frames are fetched as byte ranges of
 shards (adjacent frames merged up to ``range_bytes``, default 8 MiB; ranged GETs in parallel on
 ``io_threads``), at most ``budget_bytes`` (default 256 MiB) of downloaded-but-not-yet-applied data
@@ -47,9 +52,19 @@ from infra.weightsync.errors import (
     WeightSyncError,
     WrongBase,
 )
-from infra.weightsync.layout import Manifest, TensorEntry, chunk_bounds, digest, files_key, manifest_key, scan_versions
+from infra.weightsync.layout import (
+    Manifest,
+    TensorEntry,
+    chunk_bounds,
+    digest,
+    files_key,
+    manifest_key,
+    read_manifest_object,
+    scan_versions,
+)
 from infra.weightsync.pools import Pools, settle
 from infra.weightsync.rawbytes import (
+    DTYPE_SIZES,
     bytes_to_tensor,
     dtype_from_name,
     dtype_name,
@@ -58,6 +73,7 @@ from infra.weightsync.rawbytes import (
     word_width,
 )
 from infra.weightsync.schedule import DecodePipeline, Range, Step, plan_ranges
+from infra.weightsync.validate import default_max_bytes
 from infra.weightsync.warmup import warm_up
 
 if TYPE_CHECKING:
@@ -85,12 +101,16 @@ class VersionReader:
         budget_bytes: int = 256 << 20,
         strict: bool = False,
         max_fallbacks: int = 3,
+        max_bytes: int | None = None,
     ) -> None:
+        """``max_bytes``: the most tensor bytes a version may declare (default: this machine's
+        memory); a manifest over it is a :class:`ManifestError`."""
         warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
         self.store, self.prefix = store, prefix.strip("/")
         self.threads, self.io_threads = max(1, threads), max(1, io_threads)
         self.range_bytes, self.budget_bytes = range_bytes, budget_bytes
         self.strict, self.max_fallbacks = strict, max_fallbacks
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         self._manifests: dict[int, Manifest] = {}
         self.last_errors: list[WeightSyncError] = []
         self.last_stats: dict[str, object] = {}
@@ -119,10 +139,10 @@ class VersionReader:
         man = self._manifests.get(version)
         if man is None:
             try:
-                data = self.store.get(manifest_key(self.prefix, version))
+                data = read_manifest_object(self.store, self.prefix, version)
             except ObjectNotFound:
                 raise VersionNotFound("not committed (no manifest) or collected", version=version) from None
-            man = Manifest.from_bytes(data, version)
+            man = Manifest.from_bytes(data, version, self.max_bytes)
             if len(self._manifests) > 64:  # (they carry the last delta frames: <= delta_shard_bytes each)
                 self._manifests.pop(next(iter(self._manifests)))
             self._manifests[version] = man
@@ -159,10 +179,14 @@ class VersionReader:
             return True
 
     def files(self, version: int) -> dict[str, bytes]:
-        """Side files (e.g. ``config.json``) stored with ``version``, verified by digest."""
+        """Side files (e.g. ``config.json``) stored with ``version``, verified by digest (each at
+        most ``max_bytes``, checked before it is read)."""
         out: dict[str, bytes] = {}
         for name, h in self.manifest(version).files.items():
             try:
+                size = self.store.size(files_key(self.prefix, h))
+                if size > self.max_bytes:
+                    raise CorruptData(f"side file {name!r} has {size} bytes, over max_bytes", version=version)
                 data = self.store.get(files_key(self.prefix, h))
             except ObjectNotFound:
                 raise MissingObject(f"side file {name!r} is missing", version=version) from None
@@ -294,6 +318,7 @@ class VersionReader:
         final = self.manifest(goal)
         self._check_chain_layout(start, deltas)
         tensors = start.tensors
+        _check_dtypes(tensors, start_v)
         bounds = [_chunk_ranges(t.dtype, t.nbytes, start.chunk_bytes) for t in tensors]
         if have is not None:  # check the caller's tensors before anything is downloaded
             _check_have(have, tensors, start_v)
@@ -325,12 +350,14 @@ class VersionReader:
         def decode(step: int, ti: int, ci: int, frame: memoryview) -> None:
             v, kind, man = steps[step]
             t = man.tensors[ti]
+            c = t.chunks[ci]
             s, e = bounds[ti][ci]
             buf = words[ti][s:e]
             first = not touched[ti][ci]
             try:
-                apply_frame(frame, buf, t.chunks[ci].h)
-            except Exception as exc:  # malformed frame or checksum mismatch
+                apply_frame(frame, buf, c.h, frame_h=(c.k if kind == "k" else c.d)[3])  # type: ignore[index]
+            except CorruptData as exc:  # frame digest, malformed frame or checksum mismatch
+                why = str(exc)
                 if first and kind == "d":  # was the base wrong? (checked only on failure: saves a pass)
                     base_h = self.manifest(v - 1).tensors[ti].chunks[ci].h
                     if origs:
@@ -339,8 +366,8 @@ class VersionReader:
                             raise WrongBase(f"chunk {ci}: the tensors given are not version {v - 1}",
                                             version=v, tensor=t.name) from None
                     else:
-                        exc = ValueError(f"{exc} (corrupt data, or the in-place tensors were not version {v - 1})")
-                raise CorruptData(f"chunk {ci} ({kind} frame): {exc}", version=v, tensor=t.name) from exc
+                        why += f" (corrupt data, or the in-place tensors were not version {v - 1})"
+                raise CorruptData(f"chunk {ci} ({kind} frame): {why}", version=v, tensor=t.name) from exc
             touched[ti][ci] = True
 
         DecodePipeline(
@@ -351,12 +378,21 @@ class VersionReader:
         return _outputs(tensors, bufs, have, inplace)
 
     def _check_chain_layout(self, start: Manifest, deltas: list[int]) -> None:
-        """Every delta version has the tensors and chunk size of the version replayed from."""
+        """Every delta version has the tensors and chunk size of the version replayed from, and a
+        chunk without a delta frame keeps the previous version's digest (it did not change: only
+        then does the digest checked when a frame last touched the chunk hold for the target)."""
         sig = start.signature()
+        prev = start
         for v in deltas:
             man = self.manifest(v)
             if man.signature() != sig or man.chunk_bytes != start.chunk_bytes:
                 raise IncompatibleTensors("tensor layout differs from its base", version=v)
+            for t, pt in zip(man.tensors, prev.tensors):
+                for ci, (c, pc) in enumerate(zip(t.chunks, pt.chunks)):
+                    if c.d is None and c.h != pc.h:
+                        raise CorruptData(f"chunk {ci} has no delta frame, yet its digest differs from "
+                                          f"version {prev.version}'s", version=v, tensor=t.name)
+            prev = man
 
     def _verify_untouched(self, touched: list[list[bool]], bounds: list[list[tuple[int, int]]],
                           words: list[np.ndarray], final: Manifest, have_version: int | None) -> None:
@@ -406,8 +442,18 @@ class VersionReader:
 
 def _chunk_ranges(dtype: str, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """Word ranges of the chunks of a tensor of ``dtype`` (a manifest dtype name) and ``nbytes``."""
-    width = word_width(dtype_from_name(dtype).itemsize)
+    width = word_width(DTYPE_SIZES[dtype])
     return chunk_bounds(nbytes // width, width, chunk_bytes)
+
+
+def _check_dtypes(tensors: list[TensorEntry], version: int) -> None:
+    """Every dtype is one this torch has (else IncompatibleTensors, before anything is allocated)."""
+    for t in tensors:
+        try:
+            dtype_from_name(t.dtype)
+        except ValueError:
+            raise IncompatibleTensors(f"dtype {t.dtype} is not one this torch has", version=version,
+                                      tensor=t.name) from None
 
 
 def _check_have(have: dict[str, "torch.Tensor"], tensors: list[TensorEntry], version: int) -> None:

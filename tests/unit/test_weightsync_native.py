@@ -8,6 +8,7 @@ import pytest
 import xxhash
 
 from infra.weightsync import codec, kernels, native
+from infra.weightsync.errors import CorruptData
 from infra.weightsync.layout import digest
 from tests.weightsync_helpers import word_pair as _case
 
@@ -84,7 +85,7 @@ def test_fused_decode_accepts_exactly_the_frames_that_give_the_right_words() -> 
             try:
                 apply_frame(bad, buf, want)
                 accepted = True
-            except ValueError:  # (ChecksumMismatch is one)
+            except CorruptData:  # (ChecksumMismatch is one; a malformed frame is one too)
                 accepted = False
             if accepted:  # never the wrong words
                 assert np.array_equal(buf, new), trial
