@@ -5,7 +5,9 @@ chain they depend on*: the anchor is the newest keyframe at or below the oldest 
 nothing at or above the anchor is deleted. Everything older goes, manifest first (so a version
 disappears atomically from readers' point of view, exactly like it appeared), then its data objects.
 Orphan folders of versions that never committed (a publisher killed mid-upload) below the newest
-version are removed too. Side files no kept manifest references are deleted last.
+version are removed too. Side files no kept manifest references are deleted last; if a kept
+manifest cannot be read (corrupt, or crafted by a writer of the store) no side file is deleted,
+since which ones it needs is unknown, and the rest of the collection still happens.
 
 A reader that is replaying an old, now-collected version gets :class:`MissingObject` /
 :class:`VersionNotFound` and falls back to the anchor keyframe, which is always kept. Run it from
@@ -14,13 +16,17 @@ the single writer (the publisher does when ``keep_versions`` is set).
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING
 
+from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.layout import MANIFEST, Manifest, manifest_key, read_manifest_object, scan_versions, version_dir
 
 if TYPE_CHECKING:
     from infra.storage import ObjectStore
+
+log = logging.getLogger(__name__)
 
 
 def collect(store: "ObjectStore", prefix: str, keep: int) -> list[int]:
@@ -51,15 +57,24 @@ def collect(store: "ObjectStore", prefix: str, keep: int) -> list[int]:
             if not key.endswith("/" + MANIFEST):
                 store.delete(key)
     file_keys = [k for k in keys if k.startswith(prefix + "/files/")]
-    if file_keys:
-        live: set[str] = set()
-        for v in committed:
-            if v >= anchor:
-                live.update(Manifest.from_bytes(read_manifest_object(store, prefix, v), v).files.values())
+    live = _live_files(store, prefix, [v for v in committed if v >= anchor]) if file_keys else None
+    if live is not None:
         for k in file_keys:
             if k.rsplit("/", 1)[1] not in live:
                 store.delete(k)
     return [v for v in doomed if v in committed]
+
+
+def _live_files(store: "ObjectStore", prefix: str, versions: list[int]) -> set[str] | None:
+    """Digests of the side files ``versions`` reference; None if one of their manifests is unreadable."""
+    live: set[str] = set()
+    for v in versions:
+        try:
+            live.update(Manifest.from_bytes(read_manifest_object(store, prefix, v), v).files.values())
+        except WeightSyncError as exc:
+            log.warning("side files kept: %s", exc)
+            return None
+    return live
 
 
 def version_objects(store: "ObjectStore", prefix: str, version: int) -> list[str]:

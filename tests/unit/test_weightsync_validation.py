@@ -252,3 +252,15 @@ def test_dtype_sizes_agree_with_torch() -> None:
     known = {n: getattr(torch, n) for n in DTYPE_SIZES if isinstance(getattr(torch, n, None), torch.dtype)}
     assert {"float32", "bfloat16", "float16", "int64", "bool", "uint8"} <= set(known)
     assert all(dt.itemsize == DTYPE_SIZES[n] for n, dt in known.items())
+
+
+def test_gc_survives_a_crafted_kept_manifest(store: FileStore) -> None:
+    """Replays finding 3 of issue #15 against collection: a crafted manifest among the kept versions
+    (which a publisher with ``keep_versions`` reads after every publish) neither raises out of
+    ``collect`` nor lets it delete side files it cannot tell are unused; old versions still go."""
+    from infra.weightsync import collect
+
+    store.put(manifest_key(PREFIX, 3), _crafted(store, 3, _set("tensors", {"embed.weight": {}})))
+    files_before = store.list(f"{PREFIX}/files/")
+    assert collect(store, PREFIX, keep=1) == [1, 2]
+    assert store.list(f"{PREFIX}/files/") == files_before and not store.exists(manifest_key(PREFIX, 1))
