@@ -60,7 +60,11 @@ class RolloutWorker:
         self.engine = create_engine(cfg.rollout, model, tokenizer)
         self.tokenizer = tokenizer
         self.run_id = spec.run_id
-        self.reader = VersionReader(self.store, run_key(spec.run_id, None, "weights"), threads=cfg.weight_sync.threads)
+        # a version is the policy's weights: one declaring more than twice what the loaded model
+        # holds (fp32 master copy vs bf16 serving, plus margin) is refused before any allocation
+        model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        self.reader = VersionReader(self.store, run_key(spec.run_id, None, "weights"), threads=cfg.weight_sync.threads,
+                                    max_bytes=2 * model_bytes + (64 << 20))
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
