@@ -40,3 +40,18 @@ def s3_bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> str:
 def mlflow_uri(tmp_path: Path) -> str:
     """A fresh MLflow sqlite store (tracking + registry)."""
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    """A one-rank gloo process group in this process (checkpoint save/restore are collectives)."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -5,25 +5,12 @@ the environment (tests/unit/test_checkpoint_security.py covers forged and altere
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

@@ -16,9 +16,8 @@ import hashlib
 import io
 import json
 import os
-import socket
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -36,17 +35,6 @@ class _Bomb:
     def __reduce__(self) -> tuple[Any, tuple[str, str]]:
         return (open, (self.marker, "w"))
 
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture()
