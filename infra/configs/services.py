@@ -139,6 +139,20 @@ class SandboxConfig(Strict):
     kill_grace_s: float = Field(
         10.0, gt=0, le=3600, description="Host backstop beyond the job timeout before a sandbox is killed."
     )
+    infra_retries: int = Field(
+        2,
+        ge=0,
+        le=20,
+        description="Fresh-sandbox retries of a job whose sandbox or runtime failed for reasons outside the job "
+        "(runner killed from outside, container removed, daemon error, no sandbox could start); after "
+        "infra_retries + 1 failed attempts the result says infra=True (reason 'infra') instead of a score.",
+    )
+    infra_backoff_s: float = Field(
+        0.5,
+        ge=0,
+        le=600,
+        description="Wait before the first infrastructure retry of a job; doubled before each further one.",
+    )
 
     @model_validator(mode="after")
     def _rules(self) -> "SandboxConfig":

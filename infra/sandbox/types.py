@@ -12,8 +12,18 @@ from typing import Any
 
 from infra.errors import DeltaloopError
 
-#: Why a job ended. ``wrong`` and ``syntax`` only appear in :class:`VerifyResult` and :class:`TestsResult`.
-REASONS: tuple[str, ...] = ("ok", "timeout", "memory", "output_limit", "killed", "error", "wrong", "syntax")
+#: Why a job ended. ``wrong`` and ``syntax`` only appear in :class:`VerifyResult` and :class:`TestsResult`;
+#: ``infra`` (always with ``infra=True``) means the job could not be run at all, see :data:`INFRA_DOC`.
+REASONS: tuple[str, ...] = ("ok", "timeout", "memory", "output_limit", "killed", "error", "wrong", "syntax", "infra")
+
+#: What ``infra=True`` on a result means (the same for every result type).
+INFRA_DOC = (
+    "infra=True (reason 'infra', reward 0.0): the sandbox or its runtime failed for reasons outside the job "
+    "(runner killed from outside, container removed, daemon error, no sandbox could be started) on every one "
+    "of the sandbox.infra_retries + 1 attempts, each on a fresh sandbox. The reward means nothing: leave the "
+    "sample out of the loss. A job that timed out, ran out of memory or output, crashed, or killed or "
+    "exhausted its own sandbox has infra=False and its own reason."
+)
 
 
 @dataclass
@@ -38,7 +48,9 @@ class VerifyRequest:
 
 @dataclass
 class VerifyResult:
-    """Outcome of one :class:`VerifyRequest`; ``reward`` is the fraction of tests passed."""
+    """Outcome of one :class:`VerifyRequest`; ``reward`` is the fraction of tests passed.
+
+    ``infra``: the job could not be scored because the infrastructure failed (:data:`INFRA_DOC`)."""
 
     passed: list[bool]
     reward: float
@@ -46,6 +58,7 @@ class VerifyResult:
     stdout_tail: str = ""
     stderr_tail: str = ""
     wall_seconds: float = 0.0
+    infra: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -80,7 +93,8 @@ class TestsResult:
 
     ``reason``: ``ok``, ``wrong`` (a test failed or raised), ``syntax``, ``timeout``, ``memory``,
     ``output_limit``, ``killed`` or ``error`` (the program did not load, has no ``entry``, or the
-    tests are unusable). The failing assertion is at the end of ``stderr_tail``.
+    tests are unusable), or ``infra`` with ``infra=True`` (:data:`INFRA_DOC`). The failing assertion
+    is at the end of ``stderr_tail``.
     """
 
     __test__ = False  # not a pytest class
@@ -91,6 +105,7 @@ class TestsResult:
     stdout_tail: str = ""
     stderr_tail: str = ""
     wall_seconds: float = 0.0
+    infra: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -102,7 +117,8 @@ class ExecResult:
     """Outcome of running one program as ``__main__``.
 
     ``exit_code`` is the program's exit status, ``-N`` if it died of signal N, or ``None`` when the
-    sandbox stopped it (timeout, output limit) or could not run it.
+    sandbox stopped it (timeout, output limit) or could not run it. ``infra``: it could not be run
+    because the infrastructure failed (:data:`INFRA_DOC`).
     """
 
     exit_code: int | None
@@ -110,6 +126,7 @@ class ExecResult:
     stdout_tail: str = ""
     stderr_tail: str = ""
     wall_seconds: float = 0.0
+    infra: bool = False
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,4 +153,17 @@ class SandboxUnusable(SandboxError):
 
 
 class SandboxDied(DeltaloopError):
-    """A sandbox's runner stopped answering or exited (internal: turned into a scored failure)."""
+    """A sandbox's runner stopped answering or exited (internal: the pool turns it into a result).
+
+    ``kind`` is what the host saw: ``"timeout"`` (no reply within the job's timeout plus the host's
+    grace), ``"gone"`` (end of stream, a failed write, a broken connection, a closed handle) or
+    ``"garbled"`` (a line that is not a reply). The job cannot write to the runner's stdout, so
+    ``gone`` and ``garbled`` are never its doing unless the runtime says the sandbox ran out of
+    memory; ``timeout`` is counted as the job's.
+    """
+
+    KINDS = ("timeout", "gone", "garbled")
+
+    def __init__(self, message: str, kind: str = "gone") -> None:
+        super().__init__(message)
+        self.kind = kind
