@@ -2,8 +2,11 @@
 
 Two backends behind one small protocol, chosen by URI scheme:
 
-- ``file:///abs/folder`` (default): a local folder. Writes go to a temporary file in the same
-  folder and are renamed into place, so a reader never sees a half-written object.
+- ``file:///abs/folder`` (default): a local folder. Every put is :func:`infra.atomicio.write_atomic`:
+  a temporary file in the same folder, fsync-ed, renamed into place, then the folder fsync-ed, so a
+  reader never sees a half-written object and a committed object survives a power loss. Temporary
+  files (``.tmp-*``) are never listed or read as objects; those a killed writer left are removed
+  when a store opens, once older than a minute (a live writer's are kept).
 - ``s3://bucket/prefix`` through boto3 (endpoint URL configurable: AWS, MinIO, R2, moto...).
   S3 PUTs are atomic per object; large objects use multipart upload via boto3's transfer manager.
 
@@ -17,12 +20,12 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
+from infra.atomicio import is_temp_name, remove_stale_temps, write_atomic
 from infra.backends import Registry
 from infra.errors import DeltaloopError
 
@@ -69,6 +72,8 @@ def _check_key(key: str) -> str:
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"invalid object key {key!r}: empty, '.' or '..' segment")
+    if is_temp_name(parts[-1]):
+        raise ValueError(f"invalid object key {key!r}: names starting with '.tmp-' are temporary files")
     return key
 
 
@@ -80,30 +85,19 @@ def _check_prefix(prefix: str) -> str:
 
 
 class FileStore:
-    """Objects as files under a root folder; atomic writes by rename."""
+    """Objects as files under a root folder; durable atomic writes (:func:`infra.atomicio.write_atomic`)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.uri = "file://" + str(self.root)
+        remove_stale_temps(self.root)  # what writers killed between write and rename left
 
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)
 
     def put(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+        write_atomic(self._path(key), data, mode=0o600)  # owner-only, as the store's objects always are
 
     def get(self, key: str) -> bytes:
         try:
@@ -140,7 +134,7 @@ class FileStore:
             return []
         for dirpath, _dirs, files in os.walk(start):
             for name in files:
-                if name.startswith(".tmp-"):
+                if is_temp_name(name):
                     continue
                 rel = os.path.relpath(os.path.join(dirpath, name), base).replace(os.sep, "/")
                 if rel.startswith(prefix):
