@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from evals.answers import default_system_prompt, exact_match, extract_answer, numeric_match, regex_match, shaped_reward
-from evals.env import Item, Prompt, Score, check_batch, need_pool, prompt_key, stable_hash
+from evals.env import Item, Prompt, Score, check_batch, infra_failed, need_pool, prompt_key, stable_hash, unscored
 
 if TYPE_CHECKING:
     from infra.config import DatasetColumns, DatasetEnvConfig
@@ -408,5 +408,6 @@ class DatasetEnv:
                 out.append(Score(shaped_reward(False, False, self.format_weight), False, "no_answer"))
                 continue
             r = next(results)
-            out.append(Score(shaped_reward(r.passed, shaped, self.format_weight), r.passed, r.reason))
+            out.append(unscored() if infra_failed(r) else
+                       Score(shaped_reward(r.passed, shaped, self.format_weight), r.passed, r.reason))
         return out

@@ -13,7 +13,9 @@ of questions with answers, HumanEval, the user's own — is an :class:`Environme
 * **scoring**: :meth:`~Environment.score` turns a batch of completions into one :class:`Score` each:
   a reward in [0, 1], whether the answer is fully correct, and a reason. Scorers that *execute*
   model output do it in the sandbox pool (passed in; the host alone compares results); pure
-  comparisons (string, number, math expression) run here, on the trusted side.
+  comparisons (string, number, math expression) run here, on the trusted side. A sample whose
+  sandbox infrastructure failed on every retry is not a score: its :class:`Score` is ``masked``
+  (:func:`unscored`), and training and evaluation leave it out instead of counting a fake 0.
 
 Items cross process boundaries as JSON (the per-step prompts artefact in the object store), so an
 environment keeps whatever it needs to score an item in ``Item.data`` (JSON values) or can rebuild it
@@ -27,8 +29,11 @@ import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union, runtime_checkable
 
+from infra.errors import DeltaloopError
+
 if TYPE_CHECKING:
     from infra.sandbox import SandboxPool
+    from infra.sandbox.types import ExecResult, TestsResult, VerifyResult
 
 Message = dict[str, str]
 Prompt = Union[str, list[Message]]
@@ -59,15 +64,56 @@ class Item:
 @dataclass(frozen=True)
 class Score:
     """The verdict on one completion: ``reward`` in [0, 1] (the training signal), ``correct``
-    (counts toward accuracy) and ``reason`` (``ok``, ``wrong``, ``no_answer``, a sandbox reason...)."""
+    (counts toward accuracy) and ``reason`` (``ok``, ``wrong``, ``no_answer``, a sandbox reason...).
+
+    ``masked``: the completion could not be scored (the sandbox or its runtime failed for reasons
+    outside the job, on every retry). Its reward is 0.0 and means nothing: training leaves it out of
+    the loss and of its group's advantage statistics, evaluations out of their means. A job that
+    failed by itself (timeout, memory, crash) is a real score, never masked."""
 
     reward: float
     correct: bool
     reason: str
+    masked: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.reward <= 1.0:
             raise ValueError(f"reward must be in [0, 1], got {self.reward}")
+        if self.masked and (self.reward != 0.0 or self.correct):
+            raise ValueError(f"a masked score has reward 0.0 and is not correct, got {self.reward}, {self.correct}")
+
+
+def unscored() -> Score:
+    """The Score of a sample the sandbox infrastructure could not score (reason ``infra``, masked)."""
+    return Score(0.0, False, "infra", masked=True)
+
+
+def infra_failed(result: "ExecResult | VerifyResult | TestsResult") -> bool:
+    """Whether a sandbox result says the sandbox or its runtime failed on every attempt
+    (``infra=True``): the sample gets :func:`unscored`, not the result's 0."""
+    return bool(result.infra)
+
+
+class UnscoredBatch(DeltaloopError):
+    """Too many samples of a batch could not be scored (sandbox infrastructure failures): training on
+    the rest would learn from a damaged batch. Retryable: a fresh attempt scores the batch again."""
+
+    retryable = True
+
+
+def check_unscored(scores: Sequence[Score], bound: float, what: str) -> float:
+    """The share of masked ``scores``; raises :class:`UnscoredBatch` (one line: count, rate, bound, the
+    reasons of the masked samples) when it exceeds ``bound``."""
+    masked = [s for s in scores if s.masked]
+    rate = len(masked) / max(1, len(scores))
+    if rate > bound:
+        reasons: dict[str, int] = {}
+        for s in masked:
+            reasons[s.reason] = reasons.get(s.reason, 0) + 1
+        why = ", ".join(f"{k} x{v}" for k, v in sorted(reasons.items()))
+        raise UnscoredBatch(f"{what}: {len(masked)}/{len(scores)} samples ({rate:.1%}) could not be scored "
+                            f"(sandbox infrastructure failures: {why}), above loop.max_infra_failure_rate={bound}")
+    return rate
 
 
 @runtime_checkable

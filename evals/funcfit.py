@@ -279,10 +279,10 @@ class FuncfitEnv:
     def score(self, items: "Sequence[Item]", completions: "Sequence[str]",
               pool: "SandboxPool | None") -> "list[Score]":
         """Each completion's expression on the item's hidden points, in the sandbox pool."""
-        from evals.env import Score, check_batch, need_pool
+        from evals.env import Score, check_batch, infra_failed, need_pool, unscored
 
         check_batch(items, completions)
         sandbox = need_pool(self.name, pool)
         reqs = [to_verify_request(it.data["hidden"], c) for it, c in zip(items, completions)]
         results = sandbox.verify_many(reqs, dedupe=sandbox.cfg.dedupe)
-        return [Score(float(r.reward), r.reward >= 1.0, r.reason) for r in results]
+        return [unscored() if infra_failed(r) else Score(float(r.reward), r.reward >= 1.0, r.reason) for r in results]

@@ -43,7 +43,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Sequence
 
 from evals.answers import default_system_prompt, extract_answer, shaped_reward
-from evals.env import Item, Score, check_batch, need_pool, stable_hash
+from evals.env import Item, Score, check_batch, infra_failed, need_pool, stable_hash, unscored
 
 if TYPE_CHECKING:
     from infra.config import HumanEvalEnvConfig
@@ -191,5 +191,6 @@ class HumanEvalEnv:
             reqs.append(TestsRequest(program=to_program(p, code), tests=p["test"],
                                      context=prompt_context(p["prompt"], p["entry_point"]), entry=p["entry_point"]))
         results = sandbox.run_tests_many(reqs, dedupe=sandbox.cfg.dedupe)
-        return [Score(shaped_reward(r.passed, f, self.format_weight), bool(r.passed), r.reason)
+        return [unscored() if infra_failed(r) else
+                Score(shaped_reward(r.passed, f, self.format_weight), bool(r.passed), r.reason)
                 for r, f in zip(results, formed)]

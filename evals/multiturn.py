@@ -12,6 +12,10 @@ before answering again. This is the smallest such loop on deltaloop's pieces:
 4. the final answer is scored by the environment (:meth:`evals.funcfit.FuncfitEnv.score`: the
    *hidden* points in the sandbox verifier), like single-turn funcfit.
 
+An episode in which the sandbox infrastructure failed (a tool call or the final verification that
+stayed ``infra`` after the pool's retries) is ``masked``: the policy read a tool answer that says
+nothing about its expression, or its answer was never checked, so the episode is not a reward.
+
 Episodes take the environment's :class:`~evals.env.Item` s, so any funcfit split feeds them.
 
 Every turn keeps what training needs: the prompt token ids the server rendered, the sampled token
@@ -26,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from evals.env import Item
+from evals.env import Item, infra_failed
 from evals.funcfit import FuncfitEnv, extract_expression, to_program
 
 if TYPE_CHECKING:
@@ -56,6 +60,7 @@ class Episode:
     turns: list[Turn] = field(default_factory=list)
     reward: float = 0.0
     reason: str = ""
+    masked: bool = False  # the sandbox infrastructure failed in this episode: not a reward (see module doc)
 
     @property
     def versions(self) -> set[int]:
@@ -68,8 +73,11 @@ def tool_program(expr: str) -> str:
 
 
 def run_tool(pool: "SandboxPool", expr: str, timeout_s: float | None = None) -> tuple[str, str]:
-    """Run ``expr`` in a sandbox; returns (output shown to the policy, sandbox reason)."""
+    """Run ``expr`` in a sandbox; returns (output shown to the policy, sandbox reason: ``infra`` when
+    the sandbox infrastructure failed on every retry)."""
     res = pool.exec(tool_program(expr), timeout_s=timeout_s)
+    if infra_failed(res):
+        return "error: the tool is unavailable", "infra"
     if res.reason == "ok" and res.exit_code == 0:
         return res.stdout_tail.strip(), res.reason
     err = (res.stderr_tail.strip().splitlines() or [res.reason])[-1]
@@ -111,6 +119,9 @@ def run_episode(client: Any, model: str, problem: Item, pool: "SandboxPool", max
                      {"role": "user", "content": f"f gave {out}; want {json.dumps(want)}. {prompt}"}]
     result = env.score([problem], [ep.turns[-1].answer], pool)[0]
     ep.reward, ep.reason = result.reward, result.reason
+    ep.masked = result.masked or any(t.tool_reason == "infra" for t in ep.turns)
+    if ep.masked:
+        ep.reward, ep.reason = 0.0, "infra"
     return ep
 
 

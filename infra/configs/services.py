@@ -194,6 +194,12 @@ class LoopConfig(Strict):
         "policy (drop), or trained on with the clipped importance ratio against the policy that "
         "produced it (importance).",
     )
+    max_infra_failure_rate: float = Field(
+        0.1, ge=0.0, le=1.0,
+        description="Largest share of a step's samples that may be masked (not scorable: the sandbox "
+        "infrastructure failed after sandbox.infra_retries retries). Above it the step's scoring fails as "
+        "retryable and nothing is stored, instead of training on a damaged batch.",
+    )
 
 
 class SuiteConfig(Strict):

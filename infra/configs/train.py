@@ -52,6 +52,12 @@ class TrainerConfig(Strict):
     steps: int = Field(40, ge=1, le=1_000_000, description="RL steps (train+sync+rollout+score).")
     prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts per RL step.")
     group_size: int = Field(8, ge=2, le=1024, description="Samples per prompt (GRPO group G).")
+    min_group_samples: int = Field(
+        2, ge=1, le=1024,
+        description="A group with masked samples (not scorable: sandbox infrastructure failures) trains only "
+        "if at least this many of its samples were scored; otherwise it is dropped (masked_groups_dropped). "
+        "Advantages are computed over the scored samples only. At most group_size.",
+    )
     lr: float = Field(2e-4, gt=0, le=1.0, description="AdamW learning rate on fp32 master weights.")
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, le=1e6, description="Global gradient-norm clip.")
@@ -101,4 +107,7 @@ class TrainerConfig(Strict):
             raise ValueError(f"trainer.offload_params needs trainer.zero_stage 3, got {self.zero_stage}")
         if self.lora.enabled and self.engine == "fsdp":
             raise ValueError("trainer.lora is supported with engine 'torch' or 'deepspeed', not 'fsdp'")
+        if self.min_group_samples > self.group_size:
+            raise ValueError(f"trainer.min_group_samples ({self.min_group_samples}) is larger than trainer.group_size "
+                             f"({self.group_size}): every group with a masked sample would be dropped")
         return self

@@ -14,6 +14,11 @@ for evaluations and for the per-step training batch alike.
 A report keeps per-problem rewards and correctness (not only the means), so the promotion gate and
 the run summary compare two versions on the same problems (paired bootstrap). Reports are keyed by
 suite and weight version, so re-running an evaluation of the same version is free.
+
+A sample the sandbox infrastructure could not score (:attr:`evals.env.Score.masked`) is not a wrong
+answer: a problem's means are over its scored samples, a problem with none is left out of the suite's
+means (``masked_problems``) and of paired comparisons, and the report counts them (``masked``, logged
+as ``eval_masked``).
 """
 
 from __future__ import annotations
@@ -117,13 +122,17 @@ def evaluate_suite(suite: Suite, generate: Generate, pool: Any) -> dict[str, Any
     scores = env.score([it for it in items for _ in range(suite.samples)], texts, pool)
     score_seconds = time.perf_counter() - t0
     m = suite.samples
-    rewards = [sum(s.reward for s in scores[i * m:(i + 1) * m]) / m for i in range(len(items))]
-    n_correct = [sum(1 for s in scores[i * m:(i + 1) * m] if s.correct) for i in range(len(items))]
-    correct = [c / m for c in n_correct]  # per problem: the fraction of its samples that are right
-    stats = reward_stats(rewards, correct)
+    scored = [[s for s in scores[i * m:(i + 1) * m] if not s.masked] for i in range(len(items))]
+    n_scored = [len(ss) for ss in scored]
+    rewards = [sum(s.reward for s in ss) / max(1, len(ss)) for ss in scored]
+    n_correct = [sum(1 for s in ss if s.correct) for ss in scored]
+    correct = [c / max(1, n) for c, n in zip(n_correct, n_scored)]  # per problem: the share of its scored samples right
+    masked_problems = [n == 0 for n in n_scored]
+    live = [i for i in range(len(items)) if n_scored[i]]
+    stats = reward_stats([rewards[i] for i in live], [correct[i] for i in live])
     groups: dict[str, list[float]] = {}
-    for it, r in zip(items, rewards):
-        groups.setdefault(it.group or suite.env.type, []).append(r)
+    for i in live:
+        groups.setdefault(items[i].group or suite.env.type, []).append(rewards[i])
     reasons: dict[str, int] = {}
     for s in scores:
         reasons[s.reason] = reasons.get(s.reason, 0) + 1
@@ -134,11 +143,21 @@ def evaluate_suite(suite: Suite, generate: Generate, pool: Any) -> dict[str, Any
         "per_group": {g: sum(v) / len(v) for g, v in sorted(groups.items())}, "reasons": reasons,
         "problem_ids": [it.id for it in items], "groups": [it.group for it in items], "rewards": rewards,
         "correct": correct, "completions": texts[::m],
+        "masked": sum(1 for s in scores if s.masked), "masked_problems": masked_problems,
         "generate_seconds": gen_seconds, "score_seconds": score_seconds,
     }
     if m > 1:
-        report["pass_at_k"] = pass_at_k_report([it.id for it in items], n_correct, m, list(suite.ks))
+        report["pass_at_k"] = _pass_at_k(items, n_correct, n_scored, list(suite.ks))
     return report
+
+
+def _pass_at_k(items: list[Item], n_correct: list[int], n_scored: list[int], ks: list[int]) -> dict[str, Any]:
+    """pass@k over the problems with at least ``max(ks)`` scored samples (each estimated from its
+    scored ones; masked samples are neither right nor wrong). Empty when no problem has that many."""
+    ok = [i for i, n in enumerate(n_scored) if n >= max(ks)]
+    if not ok:
+        return {"problems": 0, "k": []}
+    return pass_at_k_report([items[i].id for i in ok], [n_correct[i] for i in ok], [n_scored[i] for i in ok], ks)
 
 
 def evaluate_heldout(cfg: RunConfig, generate: Generate, pool: Any) -> dict[str, Any]:
@@ -154,10 +173,14 @@ def pass_at_k_means(report: dict[str, Any]) -> dict[int, float]:
 
 def paired_gain(before: dict[str, Any], after: dict[str, Any], metric: str = "rewards",
                 confidence: float = 0.95) -> tuple[float, float] | None:
-    """Paired-bootstrap interval of ``after - before`` on the same problems (None if they differ)."""
+    """Paired-bootstrap interval of ``after - before`` on the same problems (None if they differ), over
+    the problems scored in both (a problem whose samples were all masked in either is left out)."""
     if before.get("problem_ids") != after.get("problem_ids") or not after.get(metric):
         return None
-    return paired_bootstrap([a - b for a, b in zip(after[metric], before[metric])], confidence=confidence)
+    n = len(after[metric])
+    gone = [a or b for a, b in zip(after.get("masked_problems") or [False] * n, before.get("masked_problems") or [False] * n)]
+    diffs = [a - b for a, b, g in zip(after[metric], before[metric], gone) if not g]
+    return paired_bootstrap(diffs, confidence=confidence) if diffs else None
 
 
 def _served_generate(ctx: RunContext, cluster: Cluster, version: int, suite: Suite) -> Generate:
@@ -195,19 +218,21 @@ def evaluate(ctx: RunContext, cluster: Cluster, step: int, all_suites: bool = Tr
                       **evaluate_suite(suite, _served_generate(ctx, cluster, version, suite), cluster.sandbox)}
             put_json(ctx.store, key, report)
         brief = {k: v for k, v in report.items() if k not in ("rewards", "completions", "problem_ids", "groups",
-                                                               "correct")} | {"key": key}
+                                                               "correct", "masked_problems")} | {"key": key}
         prefix = "eval" if suite.name == "main" else f"eval_{suite.name}"
         ctx.tracker.log_metrics({f"{prefix}_score": report["score"], f"{prefix}_accuracy": report["accuracy"],
+                                 f"{prefix}_masked": report.get("masked", 0),
                                  **{f"{prefix}_pass_at_{k}": v for k, v in pass_at_k_means(report).items()}},
                                 step=step)
+        masked = f" ({report['masked']} samples masked: not scorable)" if report.get("masked") else ""
         ctx.report(f"eval {suite.name} at step {step} (v{version}): score {report['score']:.3f}, "
-                   f"accuracy {report['accuracy']:.3f} on {report['n']} problems")
+                   f"accuracy {report['accuracy']:.3f} on {report['n']} problems{masked}")
         if suite.name == "main":
             out = brief
         else:
             out.setdefault("suites", {})[suite.name] = brief
     ctx.history.append({"kind": "eval", "step": step, "version": version, "score": out["score"],
-                        "accuracy": out["accuracy"]})
+                        "accuracy": out["accuracy"], "masked": out.get("masked", 0)})
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from evals.env import Item
+from evals.env import Item, check_unscored
 from evals.registry import cached_environment
 from infra.stages.context import Cluster, RunContext
 from infra.stages.evaluate import prompt_batch, reward_stats
@@ -38,7 +38,11 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     """Score every rollout with the environment (in the sandbox pool when it runs model output).
 
     Rewards are summarised by :func:`~infra.stages.evaluate.reward_stats`, the same definition of
-    score and accuracy as the held-out evaluation."""
+    score and accuracy as the held-out evaluation, over the *scored* samples: a masked one (the
+    sandbox infrastructure failed on every retry, :attr:`evals.env.Score.masked`) is stored in
+    ``masked`` for the trainer to leave out, and counted (``masked_samples``, ``infra_failure_rate``,
+    ``sandbox_retries``). Above ``loop.max_infra_failure_rate`` the stage raises the retryable
+    :class:`~evals.env.UnscoredBatch` and stores nothing, so a retry scores the batch again."""
     out_key = ctx.key(step, "scores.json")
     if ctx.store.exists(out_key):
         return {**get_json(ctx.store, out_key)["summary"], "key": out_key, "cached": True}
@@ -50,11 +54,16 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     results = env.score([items[s["prompt_index"]] for s in samples], [s["text"] for s in samples], pool)
     seconds = time.perf_counter() - t0
+    # the pool's own window (queue wait, start/run latency, utilisation, idle sandbox-seconds, infra retries)
+    sandbox = pool.metrics(reset=True) if pool is not None else None
+    rate = check_unscored(results, ctx.cfg.loop.max_infra_failure_rate, f"step {step} scoring")
+    masked = [bool(r.masked) for r in results]
     rewards = [float(r.reward) for r in results]
     reasons: dict[str, int] = {}
     for r in results:
         reasons[r.reason] = reasons.get(r.reason, 0) + 1
-    stats = reward_stats(rewards, [r.correct for r in results])
+    scored = [r for r in results if not r.masked]
+    stats = reward_stats([float(r.reward) for r in scored], [r.correct for r in scored])
     summary = {
         "reward_mean": stats["score"],
         "reward_std": stats["std"],
@@ -62,12 +71,15 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
         "score_seconds": seconds,
         "score_ms_per_sample": 1000 * seconds / max(1, len(results)),
         "reasons": reasons,
+        "masked_samples": sum(masked),
+        "infra_failure_rate": rate,
+        "sandbox_retries": int((sandbox or {}).get("infra_retries", 0)),
     }
-    if pool is not None:  # the pool's own window (queue wait, start/run latency, utilisation, idle sandbox-seconds)
-        summary["sandbox"] = pool.metrics(reset=True)
-        summary["sandbox_latency_ms"] = summary["sandbox"].get("run_p50_ms", 0.0)
+    if sandbox is not None:
+        summary["sandbox"] = sandbox
+        summary["sandbox_latency_ms"] = sandbox.get("run_p50_ms", 0.0)
     put_json(ctx.store, out_key, {"rewards": rewards, "reasons": [r.reason for r in results],
-                                  "correct": [r.correct for r in results], "summary": summary})
+                                  "correct": [r.correct for r in results], "masked": masked, "summary": summary})
     return {**summary, "key": out_key}
 
 

@@ -18,7 +18,9 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
 
     ``before``/``after``: the evaluation reports at step 0 and at the end; ``gate``: the promotion
     result (None when promotion is disabled). Aggregates over the per-step history: sync bytes and
-    fraction of a full snapshot, staleness, orchestration overhead."""
+    fraction of a full snapshot, staleness, orchestration overhead, and the samples the sandbox
+    infrastructure could not score (masked, left out of the loss), the groups dropped for it and the
+    pool's retries."""
     steps = [h for h in ctx.history if h["kind"] == "step"]
     fracs = [h["sync_fraction"] for h in steps if h.get("sync_fraction") is not None]
     stale = [h.get("staleness", 0) for h in steps]
@@ -38,6 +40,9 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
         "loop_mode": ctx.cfg.loop.mode, "max_staleness_seen": max(stale, default=0),
         "staleness_bound": ctx.cfg.loop.max_staleness,
         "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
+        "masked_samples": sum(h.get("masked_samples") or 0 for h in steps),
+        "masked_groups_dropped": sum(h.get("masked_groups_dropped") or 0 for h in steps),
+        "sandbox_retries": sum(h.get("sandbox_retries") or 0 for h in steps),
         "history": ctx.history,
     }
 
@@ -64,6 +69,8 @@ def _eval_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
         "eval_before": main["before"], "eval_after": main["after"], "eval_gain_ci95": main["gain_ci95"],
         "eval_accuracy_before": main["accuracy_before"], "eval_accuracy_after": main["accuracy_after"],
         "eval_accuracy_gain_ci95": main["accuracy_gain_ci95"],
+        # samples the sandbox infrastructure could not score, left out of the means (not counted as wrong)
+        "eval_masked_before": before.get("masked", 0), "eval_masked": after.get("masked", 0),
     }
     extra = {name: pair(before.get("suites", {})[name], rep) for name, rep in (after.get("suites") or {}).items()
              if name in (before.get("suites") or {})}
@@ -96,6 +103,10 @@ def human_summary(s: dict[str, Any]) -> str:
         f" — {s.get('gate_reason', '')}",
         f"  MLflow run {s['mlflow_run_id']} at {s['tracking_uri']}",
     ]
+    if s.get("masked_samples") or s.get("eval_masked"):
+        lines.insert(-1, f"  not scorable (sandbox infrastructure): {s.get('masked_samples', 0)} training samples masked "
+                         f"out of the loss ({s.get('masked_groups_dropped', 0)} groups dropped, "
+                         f"{s.get('sandbox_retries', 0)} sandbox retries), {s.get('eval_masked', 0)} in the final eval")
     for name, suite in (s.get("suites") or {}).items():
         lines.insert(2, f"  suite {name}: {suite['before']:.3f} -> {suite['after']:.3f} "
                         f"(95% CI {_ci(suite.get('gain_ci95'))}) on {suite.get('n')} problems")
@@ -128,6 +139,10 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
         "sync_publish_seconds": pub.get("seconds"), "sync_load_seconds": sync.get("seconds"),
         "step_seconds": wall,
         "staleness": (stale or {}).get("staleness", 0), "batch_dropped": int(bool((stale or {}).get("dropped"))),
+        # samples the sandbox infrastructure could not score (left out of the loss), and the pool's retries
+        "masked_samples": score.get("masked_samples", 0), "infra_failure_rate": score.get("infra_failure_rate", 0.0),
+        "sandbox_retries": score.get("sandbox_retries", 0),
+        "masked_groups_dropped": m.get("masked_groups_dropped", 0), "loss_tokens": m.get("loss_tokens"),
         "orchestration_overhead_fraction": max(0.0, wall - stage_seconds) / wall if wall > 0 else None,
     }
     ctx.history.append(row)
@@ -137,6 +152,8 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
     ctx.report(
         f"step {step:>3}/{ctx.cfg.trainer.steps}  reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
         f"solved {row['solved_fraction']:.2f}  kl {row['kl'] or 0:.4f}  v{row['version']} "
-        f"stale {row['staleness']}  sync {(row['sync_bytes'] or 0) / 1e3:.1f} kB ({(row['sync_fraction'] or 0) * 100:.2f}%)  {wall:.2f}s"
+        f"stale {row['staleness']}  sync {(row['sync_bytes'] or 0) / 1e3:.1f} kB ({(row['sync_fraction'] or 0) * 100:.2f}%)  "
+        f"masked {row['masked_samples']} ({row['infra_failure_rate'] * 100:.1f}%) retries {row['sandbox_retries']}  "
+        f"{wall:.2f}s"
     )
     return row

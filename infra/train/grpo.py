@@ -11,11 +11,19 @@ DAPO/Dr. GRPO), made explicit for data parallelism: each rank computes ``sum ove
 total_tokens`` where ``total_tokens`` counts completion tokens over the *global* batch (all ranks,
 all micro-batches). Summing the ranks' gradients (all-reduce SUM, not mean) then gives exactly the
 gradient of the global token mean, however the batch was split.
+
+**Masked samples** (:attr:`evals.env.Score.masked`: the sandbox infrastructure could not score them)
+are not zeros: :func:`plan_batch` computes each group's mean and std over its unmasked samples only
+(exactly the advantages of the group without them), drops a group left with fewer than
+``min_group_samples`` scored samples, and marks what trains; :func:`select_rows` keeps masked and
+dropped samples out of the batch and :func:`loss_tokens` out of the token normaliser, so the loss is
+the loss of the batch that never had them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -25,12 +33,15 @@ if TYPE_CHECKING:
 
 
 def group_advantages(
-    rewards: "torch.Tensor | list[float]", group_size: int, eps: float = 1e-4, norm: str = "std"
+    rewards: "torch.Tensor | list[float]", group_size: int, eps: float = 1e-4, norm: str = "std",
+    masked: "Sequence[bool] | None" = None,
 ) -> "torch.Tensor":
     """(r - group mean) / (group std + eps) for consecutive groups of ``group_size`` rewards;
     with ``norm="none"`` just r - group mean (Dr. GRPO).
 
-    Groups whose rewards are all equal get advantage 0 (no signal, no gradient)."""
+    Groups whose rewards are all equal get advantage 0 (no signal, no gradient). ``masked`` (one bool
+    per reward): those samples get advantage 0 and are left out of their group's mean and std, so the
+    others' advantages are exactly those of the group without them."""
     import torch
 
     r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
@@ -38,11 +49,82 @@ def group_advantages(
         raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
     if norm not in ("std", "none"):
         raise ValueError(f"advantage norm {norm!r}: expected 'std' or 'none'")
-    g = r.view(-1, group_size)
+    if masked is None or not any(masked):
+        return _normalise(r.view(-1, group_size), eps, norm).flatten()
+    if len(masked) != r.numel():
+        raise ValueError(f"{len(masked)} masked flags for {r.numel()} rewards")
+    adv = torch.zeros_like(r)
+    for start in range(0, r.numel(), group_size):
+        scored = [i for i in range(start, start + group_size) if not masked[i]]
+        if scored:  # each group through the same arithmetic as an unmasked batch of its scored samples
+            adv[scored] = _normalise(r[scored].view(1, -1), eps, norm).flatten()
+    return adv
+
+
+def _normalise(g: "torch.Tensor", eps: float, norm: str) -> "torch.Tensor":
+    """Advantages of the groups in the rows of ``g`` [groups, size]."""
     adv = g - g.mean(dim=1, keepdim=True)
     if norm == "std":
         adv = adv / (g.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return adv.flatten()
+    return adv
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """What a scored batch trains: per-sample ``advantages``, ``trainable`` (scored, in a kept group),
+    and the counts behind them: ``masked`` samples and ``groups_dropped`` (too few scored samples)."""
+
+    advantages: "torch.Tensor"
+    trainable: list[bool]
+    masked: int
+    groups_dropped: int
+
+
+def plan_batch(rewards: "torch.Tensor | list[float]", group_size: int, masked: "Sequence[bool] | None" = None,
+               min_group_samples: int = 1, norm: str = "std", eps: float = 1e-4) -> BatchPlan:
+    """Advantages over each group's scored samples (:func:`group_advantages` with ``masked``); a group
+    with fewer than ``min_group_samples`` scored samples is dropped (advantage 0, nothing trains): with
+    one sample left there is nothing to compare it with. A group with no masked sample is never dropped
+    (``min_group_samples`` is at most the group size)."""
+    n = len(rewards)
+    flags = [False] * n if masked is None else [bool(m) for m in masked]
+    if len(flags) != n:
+        raise ValueError(f"{len(flags)} masked flags for {n} rewards")
+    adv = group_advantages(rewards, group_size, eps=eps, norm=norm, masked=flags)
+    trainable = [not m for m in flags]
+    dropped = 0
+    for start in range(0, n, group_size):
+        group = range(start, start + group_size)
+        if any(flags[i] for i in group) and sum(trainable[i] for i in group) < min_group_samples:
+            dropped += 1
+            for i in group:
+                trainable[i] = False
+                adv[i] = 0.0
+    return BatchPlan(adv, trainable, sum(flags), dropped)
+
+
+def select_rows(samples: "list[Completion] | list[dict[str, Any]]", advantages: "torch.Tensor",
+                trainable: Sequence[bool], merge: bool = True, kl_coef: float = 0.0) -> tuple[list[int], list[int], int]:
+    """The rows to compute, ``(keep, counts, skipped_zero_advantage)``: the ``trainable`` samples only
+    (masked and dropped ones never enter the batch, also with a KL term), identical copies merged
+    (:func:`merge_duplicates`, with ``merge``), zero-advantage rows skipped
+    (:func:`drop_zero_advantage`). With nothing to train, one zero-weight row ``([0], [0], 0)``."""
+    rows = [i for i, t in enumerate(trainable) if t]
+    if merge:
+        picked, counts = merge_duplicates([samples[i] for i in rows])
+        keep = [rows[j] for j in picked]
+    else:
+        keep, counts = rows, [1] * len(rows)
+    if not keep:
+        return [0], [0], 0
+    return drop_zero_advantage(keep, counts, advantages, kl_coef)
+
+
+def loss_tokens(samples: "list[Completion] | list[dict[str, Any]]", trainable: Sequence[bool]) -> float:
+    """The token normaliser of the global batch: completion tokens of the trainable samples (at least
+    1 each, and 1 in all when nothing trains). Masked samples are not in it, so the loss is the token
+    mean of the batch without them."""
+    return float(max(1, sum(max(1, len(_field(s, "token_ids"))) for s, t in zip(samples, trainable) if t)))
 
 
 def merge_duplicates(completions: "list[Completion] | list[dict[str, Any]]") -> tuple[list[int], list[int]]:

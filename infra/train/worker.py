@@ -26,7 +26,7 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from infra.errors import DeltaloopError, is_retryable
 from infra.lifeline import exit_with_parent
 from infra.specs import TrainerSpec
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
+
+if TYPE_CHECKING:
+    from infra.train.grpo import BatchPlan
 
 
 class StepOrderError(DeltaloopError):
@@ -222,8 +225,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ train step
     def op_train_step(self, step: int, rollouts_key: str, scores_key: str) -> dict[str, Any]:
-        """One GRPO update from a scored rollout batch, publish the new version, checkpoint every K."""
-        from infra.train.grpo import group_advantages
+        """One GRPO update from a scored rollout batch, publish the new version, checkpoint every K.
+
+        Samples the scores mark ``masked`` (not scorable: sandbox infrastructure failures) are left out
+        of their group's advantages, of the loss and of its token normaliser; a group with fewer than
+        ``trainer.min_group_samples`` scored samples is dropped (:func:`~infra.train.grpo.plan_batch`)."""
+        from infra.train.grpo import plan_batch
 
         done_key = run_key(self.run_id, step, "train.json")
         if step <= self.step:
@@ -238,8 +245,11 @@ class Trainer:
         if not samples:
             raise ValueError(f"step {step}: the rollout batch {rollouts_key} has no samples")
         rewards = torch.tensor(scores["rewards"], dtype=torch.float32)
-        adv = group_advantages(rewards, rollouts["group_size"], norm=self.cfg.trainer.advantage_norm)
-        metrics, norm = self._grpo_update(rollouts.get("prompt_ids") or rollouts["prompts"], samples, adv)
+        masked = torch.tensor(scores.get("masked") or [False] * len(rewards), dtype=torch.bool)
+        plan = plan_batch(rewards, rollouts["group_size"], masked=masked.tolist(),
+                          min_group_samples=self.cfg.trainer.min_group_samples, norm=self.cfg.trainer.advantage_norm)
+        metrics, norm = self._grpo_update(rollouts.get("prompt_ids") or rollouts["prompts"], samples, plan)
+        scored = rewards[~masked]  # the reward statistics of the samples that were scored
         self.step = step
         train_seconds = time.perf_counter() - t0
         publish = self._publish_next()
@@ -253,8 +263,10 @@ class Trainer:
                     "step": step,
                     "metrics": {**metrics, "grad_norm": norm, "train_seconds": train_seconds,
                                 "train_tokens_per_s": tokens * self.cfg.trainer.inner_epochs / max(train_seconds, 1e-9),
-                                "reward_mean": float(rewards.mean()),
-                                "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0},
+                                "reward_mean": float(scored.mean()) if len(scored) else 0.0,
+                                "reward_std": float(scored.std()) if len(scored) > 1 else 0.0,
+                                "masked_samples": float(plan.masked),
+                                "masked_groups_dropped": float(plan.groups_dropped)},
                     "publish": publish,
                 }
                 put_json(self.store, done_key, result)  # before the checkpoint: a restored step has its record
@@ -267,24 +279,24 @@ class Trainer:
         return result
 
     def _grpo_update(self, prompts: list[str] | list[list[int]], samples: list[dict[str, Any]],
-                     adv: torch.Tensor) -> tuple[dict[str, float], float]:
+                     plan: "BatchPlan") -> tuple[dict[str, float], float]:
         """Collective: ``inner_epochs`` optimizer steps on this rank's rows; (metrics over all ranks, grad norm).
 
-        Identical samples of one prompt train as one weighted row (same gradient, less compute), rows
-        whose advantage is zero are not computed at all (:func:`~infra.train.grpo.drop_zero_advantage`);
-        the distinct rows are dealt to the ranks round-robin. Every rank runs the same number of
-        micro-batches (FSDP/ZeRO-3 gather weights in each forward); a rank short of rows runs a
-        zero-weight row instead."""
-        from infra.train.grpo import build_batch, drop_zero_advantage, grpo_loss, merge_duplicates
+        Only the ``plan``'s trainable samples enter the batch and the token normaliser (masked ones and
+        dropped groups never do); identical samples of one prompt train as one weighted row (same
+        gradient, less compute), rows whose advantage is zero are not computed at all
+        (:func:`~infra.train.grpo.select_rows`); the distinct rows are dealt to the ranks round-robin.
+        Every rank runs the same number of micro-batches (FSDP/ZeRO-3 gather weights in each forward);
+        a rank short of rows runs a zero-weight row instead."""
+        from infra.train.grpo import build_batch, grpo_loss, loss_tokens, select_rows
 
         tcfg = self.cfg.trainer
-        keep, counts = merge_duplicates(samples) if tcfg.merge_duplicates else (
-            list(range(len(samples))), [1] * len(samples))
-        keep, counts, skipped = drop_zero_advantage(keep, counts, adv, tcfg.kl_coef)
+        adv = plan.advantages
+        keep, counts, skipped = select_rows(samples, adv, plan.trainable, tcfg.merge_duplicates, tcfg.kl_coef)
         mine = list(range(self.rank, len(keep), self.world))
         idx = [keep[j] for j in mine]
         weight = [float(counts[j]) for j in mine]
-        total_tokens = sum(max(1, len(s["token_ids"])) for s in samples)
+        total_tokens = loss_tokens(samples, plan.trainable)
         per_rank = -(-len(keep) // self.world)
         n_chunks = max(1, -(-per_rank // tcfg.micro_batch))
         metrics_acc: dict[str, float] = {}  # token-weighted sums (loss: plain sum), reduced over ranks below
@@ -310,6 +322,7 @@ class Trainer:
         metrics = self._reduce_metrics(metrics_acc)
         metrics["rows_trained"] = float(len(keep) if any(counts) else 0)
         metrics["rows_skipped_zero_advantage"] = float(skipped)
+        metrics["loss_tokens"] = total_tokens
         return metrics, norm
 
     def _reduce_metrics(self, acc: dict[str, float]) -> dict[str, float]:
