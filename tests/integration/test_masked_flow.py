@@ -71,7 +71,8 @@ def _loss(cfg: Any, rollouts: dict[str, Any], adv: list[float], trainable: list[
     return float(loss)
 
 
-def test_masked_samples_are_left_out_of_the_loss_through_the_flow(harness: None, tmp_path: Path) -> None:
+def test_masked_samples_are_left_out_of_the_loss_through_the_flow(harness: None, tmp_path: Path,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
     """Replays the fake-zero fault of issue #16 end to end: samples whose scoring infrastructure failed
     are masked in scores.json, counted in MLflow and the summary, and not trained on."""
     from mlflow.tracking import MlflowClient
@@ -83,6 +84,7 @@ def test_masked_samples_are_left_out_of_the_loss_through_the_flow(harness: None,
     root = tmp_path / "runs"
     overrides = [*TINY, f"run_root={root}"]
     out = rl_train(config="configs/demo.yaml", overrides=overrides)
+    progress = [ln for ln in capfd.readouterr().err.splitlines() if "] step " in ln]
     summary = json.loads(Path(out["summary_path"]).read_text())
     assert summary["steps"] == 2
     store, run = open_store(f"file://{root}/store"), summary["run_id"]
@@ -99,6 +101,9 @@ def test_masked_samples_are_left_out_of_the_loss_through_the_flow(harness: None,
         assert train["loss_tokens"] == sum(max(1, len(s["token_ids"])) for s, t in zip(rollouts["samples"], trainable)
                                            if t)
         masked_total += sum(masked)
+        rate = 100 * sum(masked) / len(masked)
+        assert any(f"step {step:>3}/2" in ln and f"masked {sum(masked)} ({rate:.1f}%) retries 0" in ln
+                   for ln in progress), progress
         if step == 1:
             fake, _ = _advantages(scores["rewards"], [False] * len(masked), 1)  # the fault: masked scored as 0
             assert sum(masked) > 0 and train["loss"] == pytest.approx(_loss(cfg, rollouts, adv, trainable),
