@@ -104,10 +104,12 @@ def test_masked_samples_are_left_out_of_the_loss_through_the_flow(harness: None,
         rate = 100 * sum(masked) / len(masked)
         assert any(f"step {step:>3}/2" in ln and f"masked {sum(masked)} ({rate:.1f}%) retries 0" in ln
                    for ln in progress), progress
-        if step == 1:
+        if step == 1:  # the trainer starts from the initial policy; the recorded loss is that of step 1's batch
+            # recomputed here, ~1e-5 in magnitude (ratios near 1, advantages centred per group); scoring the
+            # masked samples as 0 instead moves it by ~1e-1 on this seed
             fake, _ = _advantages(scores["rewards"], [False] * len(masked), 1)  # the fault: masked scored as 0
             assert sum(masked) > 0 and train["loss"] == pytest.approx(_loss(cfg, rollouts, adv, trainable),
-                                                                      rel=1e-4, abs=1e-7)
+                                                                      rel=1e-4, abs=5e-7)
             assert train["loss"] != pytest.approx(_loss(cfg, rollouts, fake, [True] * len(masked)), rel=1e-3)
     client = MlflowClient(summary["tracking_uri"])
     logged = [m.value for m in client.get_metric_history(summary["mlflow_run_id"], "masked_samples")]
