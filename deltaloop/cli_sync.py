@@ -2,11 +2,18 @@
 
     deltaloop sync publish DIR --store URI [--endpoint-url URL]      # prints version + bytes written
     deltaloop sync fetch --store URI [--version N] --out DIR         # byte-identical safetensors folder
+    deltaloop sync fetch --store URI --out DIR --allow-older         # newest version that verifies
     deltaloop sync list --store URI                                   # committed versions
     deltaloop sync gc --store URI --keep N                            # collect old versions
 
 Useful on its own for moving checkpoints between clusters: a fetch into a folder that a previous
 fetch wrote downloads only the deltas since.
+
+A fetch never hands back other weights than the ones asked for without saying so: without
+``--version`` it fetches the newest committed version, and if that does not verify it exits 1
+naming the version and object that failed (nothing is written). ``--allow-older`` accepts the
+newest version that does verify instead, and the line on stdout says which version was written and
+why the newer one was not.
 """
 
 from __future__ import annotations
@@ -70,11 +77,16 @@ def fetch(
     endpoint_url: Optional[str] = _ENDPOINT,
     threads: int = _THREADS,
     strict: bool = typer.Option(False, "--strict", help="Fail on the first fault instead of recovering."),
+    allow_older: bool = typer.Option(False, "--allow-older", help="Without --version: if the newest version "
+                                     "does not verify, fetch the newest one that does (stdout says which)."),
 ) -> None:
     """Fetch a version into OUT as a safetensors folder identical to the one published."""
     import logging
 
-    from infra.weightsync import VersionReader, read_folder, read_marker, write_folder
+    from infra.weightsync import VersionReader, WeightSyncError, read_folder, read_marker, write_folder
+
+    if allow_older and version is not None:
+        raise typer.BadParameter("--allow-older applies only without --version", param_hint="--allow-older")
 
     # each fault the reader recovers from is printed below once; a fault it cannot recover from is
     # the one ``error:`` line: its log records would only repeat them
@@ -89,13 +101,24 @@ def fetch(
             have_version = int(mark["version"])
         except (OSError, ValueError, KeyError):
             have = have_version = None
-    tensors, v = rd.fetch(version, have=have, have_version=have_version)
+    try:
+        tensors, v = rd.fetch(version, have=have, have_version=have_version, allow_older=allow_older)
+    except WeightSyncError as exc:
+        if version is not None or allow_older:
+            raise
+        raise type(exc)(f"the newest committed version {rd.latest()} does not verify: {exc} (--allow-older "
+                        "fetches the newest version that does)") from None
     man = rd.manifest(v)
     write_folder(out, tensors, rd.files(v), man.meta, marker={"store": st.uri, "prefix": prefix, "version": v})
     for err in rd.last_errors:
         typer.echo(f"recovered from: {err}", err=True)
     read = rd.last_stats.get("bytes_read", 0)
     typer.echo(f"version {v} -> {out} ({read} bytes read, via {rd.last_stats.get('path')})")
+    newest = int(rd.last_stats.get("newest") or v)  # type: ignore[call-overload]
+    if v != newest:
+        why = next((str(e) for e in rd.last_errors if e.version is not None and e.version > v), "")
+        typer.echo(f"older than asked: the newest committed version {newest} does not verify ({why}); "
+                   f"version {v} is the newest that does")
 
 
 @sync_app.command("list")

@@ -8,8 +8,8 @@
   were served again; the engine keeps serving. HTTP 500. Not retryable: the same request fails the
   same way.
 - :class:`ControlRefused`: the worker refused a control call (``/v1/load``, ``/v1/rollout``): no or a
-  wrong token, a store key outside the run's rollout prefixes, a version that does not exist.
-  Raised by the flow-side client; not retryable.
+  wrong token, a store key outside the run's rollout prefixes, a version that does not exist (404),
+  a version older than the one it serves (409). Not retryable.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class RequestFailed(RolloutError):
 
 
 class ControlRefused(RolloutError):
-    """A control call the worker refused (HTTP 401, 403 or 404); the message is the worker's reason."""
+    """A control call the worker refused (HTTP 401, 403, 404 or 409); the message is the worker's reason."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)

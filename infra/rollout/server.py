@@ -11,6 +11,12 @@ bound by another, and the flow finds the worker wherever the provider placed it 
 rollouts travel through the object store (data plane); HTTP carries only keys and small results
 (control plane).
 
+Stale-weight rules: a version the worker cannot apply (corrupt or missing object, the store
+unreachable) leaves it serving the version it has; the ``/v1/load`` answer says so (``applied:
+false``, ``requested``, ``error``), a warning is logged, and ``load_failures`` / ``last_load_error``
+in ``/health`` count it. It never moves to an older version than the one it serves: such a load is
+refused (409) and counted in ``refused_older``.
+
 Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``, and the
 OpenAI-compatible ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (:mod:`infra.rollout.openai_api`; served model name ``spec.model_name``, default ``policy``) for
@@ -28,17 +34,21 @@ checked against ``rollout.max_request_*`` / ``max_stop*`` before they join the b
 from __future__ import annotations
 
 import argparse
+import logging
 import threading
 import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.errors import DeltaloopError
 from infra.lifeline import exit_with_parent
 from infra.rollout.errors import BadRequest, ControlRefused
 from infra.rollout.guard import check_rollout_key
 from infra.specs import RolloutSpec
 from infra.storage import ObjectNotFound, ObjectStore, get_json, open_store, put_json, run_key
+
+log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
@@ -67,22 +77,39 @@ class RolloutWorker:
                                     max_bytes=2 * model_bytes + (64 << 20))
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
+        self.load_failures = 0  # loads of a version that could not be applied (the old one kept serving)
+        self.refused_older = 0  # loads refused because the version was older than the one served
+        self.last_load_error: str | None = None
 
     @property
     def version(self) -> int:
         return int(getattr(self.engine, "version", 0) or 0)
 
+    def status(self) -> dict[str, Any]:
+        """The version served and the load counters (``/health``)."""
+        return {"version": self.version, "load_failures": self.load_failures,
+                "refused_older": self.refused_older, "last_load_error": self.last_load_error}
+
     def load(self, version: int | None) -> dict[str, Any]:
-        """Fetch ``version`` (None = newest) from the store and apply it in place."""
+        """Fetch ``version`` (None = newest) from the store and apply it in place.
+
+        A version older than the one served is refused (:class:`ControlRefused`, 409). A version
+        that cannot be fetched and verified leaves the served one in place: the answer says so
+        (``applied: false``, ``requested``, ``error``) instead of raising."""
         with self._lock:
             started = time.perf_counter()
-            have_version = self.version if self._tensors is not None else None
+            current = self.version
+            have_version = current if self._tensors is not None else None
+            if version is not None and version < current:
+                self._refuse_older(version, current)
             if version is not None and version not in self.reader.versions():
                 raise ControlRefused(f"weight version {version} is not committed in this run's store", 404)
             target = version if version is not None else self.reader.latest()
             if target is None:
                 raise LookupError("no weight version has been published yet")
-            if target == have_version:
+            if target < current:  # the store's newest is behind what is served (versions deleted)
+                self._refuse_older(target, current)
+            if target == current and current:
                 return {"version": target, "seconds": 0.0, "applied": False}
             # The held tensors are this worker's own (the engine copies them into its model), so
             # the delta is applied to them in place: no model-sized allocation and copy per sync
@@ -92,12 +119,27 @@ class RolloutWorker:
             try:
                 tensors, got = self.reader.fetch(target=target, have=self._tensors, have_version=have_version,
                                                  inplace=True)
+            except DeltaloopError as exc:  # corrupt, missing, unreachable: keep serving what we have
+                self._tensors = None
+                self.load_failures += 1
+                self.last_load_error = str(exc)
+                log.warning("rollout worker: cannot apply weight version %d, still serving version %d: %s",
+                            target, current, exc)
+                return {"version": current, "requested": target, "applied": False, "error": str(exc),
+                        "retryable": exc.retryable, "seconds": time.perf_counter() - started}
             except BaseException:
                 self._tensors = None
                 raise
             self.engine.load_weights(tensors, got)
             self._tensors = tensors
             return {"version": got, "seconds": time.perf_counter() - started, "applied": True}
+
+    def _refuse_older(self, version: int, current: int) -> None:
+        """Count and refuse a load that would move the served policy backwards."""
+        self.refused_older += 1
+        log.warning("rollout worker: load of weight version %d refused: it serves version %d", version, current)
+        raise ControlRefused(f"weight version {version} is older than version {current}, which this worker "
+                             "serves: refused (a rollout worker never moves to an older version)", 409)
 
     def rollout(self, prompts_key: str, out_key: str, n: int, temperature: float,
                 max_new_tokens: int, seed: int) -> dict[str, Any]:
@@ -190,8 +232,8 @@ def build_app(worker: RolloutWorker, token: str, model_name: str = "policy") -> 
 
     @app.exception_handler(ControlRefused)
     def _refused(_: Request, exc: ControlRefused) -> JSONResponse:
-        return JSONResponse(error_body(exc.status, str(exc), "not_found" if exc.status == 404 else "forbidden"),
-                            status_code=exc.status)
+        kind = {404: "not_found", 409: "conflict"}.get(exc.status, "forbidden")
+        return JSONResponse(error_body(exc.status, str(exc), kind), status_code=exc.status)
 
     @app.exception_handler(BadRequest)
     def _bad(_: Request, exc: BadRequest) -> JSONResponse:
@@ -199,7 +241,7 @@ def build_app(worker: RolloutWorker, token: str, model_name: str = "policy") -> 
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"ok": True, "version": worker.version}
+        return {"ok": True, **worker.status()}
 
     @app.get("/v1/version")
     def version() -> dict[str, Any]:

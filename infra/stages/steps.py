@@ -118,8 +118,11 @@ def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
 
 def sync_weights(ctx: RunContext, cluster: Cluster, version: int) -> dict[str, Any]:
     """Make the rollout worker serve ``version`` (pulled from the store and applied in place)."""
+    from infra.rollout.errors import RolloutError
+
     res = cluster.rollout.load(version)
-    if int(res["version"]) != version:
-        raise RuntimeError(f"rollout worker serves version {res['version']}, expected {version}")
+    if int(res["version"]) != version:  # it could not apply it and serves the version it had
+        raise RolloutError(f"rollout worker still serves version {res['version']}, not {version}: "
+                           f"{res.get('error', 'no reason given')}")
     cluster.version = version
     return res

@@ -1,7 +1,7 @@
 """Typed errors of weight sync.
 
-Every error names the version (and, where one is involved, the tensor) so a log line is enough to
-find the broken object. ``retryable`` says whether trying again can help (a missing object may be
+Every error names the version (and, where one is involved, the tensor and the store object that
+failed: ``key``) so a log line is enough to find the broken object. ``retryable`` says whether trying again can help (a missing object may be
 a garbage-collected version: retrying from a newer keyframe helps; a checksum mismatch on the same
 bytes does not).
 """
@@ -16,16 +16,28 @@ class WeightSyncError(DeltaloopError):
 
     retryable = False
 
-    def __init__(self, message: str, version: int | None = None, tensor: str | None = None) -> None:
+    def __init__(self, message: str, version: int | None = None, tensor: str | None = None,
+                 key: str | None = None) -> None:
         where = []
         if version is not None:
             where.append(f"version {version}")
         if tensor is not None:
             where.append(f"tensor {tensor!r}")
+        if key is not None:
+            where.append(f"object {key}")
         prefix = (", ".join(where) + ": ") if where else ""
         super().__init__(prefix + message)
+        self.detail = message
         self.version = version
         self.tensor = tensor
+        self.key = key
+
+    def at(self, key: str) -> "WeightSyncError":
+        """This error naming the store object ``key`` (itself if it already names one): for errors
+        raised where the object was not known, such as a manifest's parser."""
+        if self.key is not None:
+            return self
+        return type(self)(self.detail, self.version, self.tensor, key)
 
 
 class VersionNotFound(WeightSyncError):

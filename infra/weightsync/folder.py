@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from infra.atomicio import is_temp_name, write_atomic, write_json_atomic
 from infra.errors import DeltaloopError
 from infra.weightsync.errors import ManifestError
 from infra.weightsync.validate import relative_name
@@ -49,7 +50,7 @@ def read_folder(folder: str | Path) -> tuple[dict[str, "torch.Tensor"], dict[str
     files: dict[str, bytes] = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        if rel == MARKER:
+        if rel == MARKER or is_temp_name(path.name):  # the sync marker; a killed writer's temporary file
             continue
         if path.suffix == ".safetensors":
             try:
@@ -93,8 +94,13 @@ def write_folder(
     meta: dict[str, Any],
     marker: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a safetensors folder from a fetched version (inverse of :func:`read_folder`)."""
-    from safetensors.torch import save_file
+    """Write a safetensors folder from a fetched version (inverse of :func:`read_folder`).
+
+    Every file is replaced atomically and durably (:func:`infra.atomicio.write_atomic`). The sync
+    marker is removed first and written last, so a fetch killed half-way leaves a folder without a
+    marker (the next fetch downloads it whole) rather than one whose marker names a version it only
+    partly holds."""
+    from safetensors.torch import save
 
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
@@ -102,19 +108,14 @@ def write_folder(
     # every name comes from a manifest someone else wrote: all are checked before anything is written
     paths = {rel: member_path(root, rel, "meta.safetensors") for rel in layout}
     paths.update({rel: member_path(root, rel, "files") for rel in files})
+    (root / MARKER).unlink(missing_ok=True)
     for rel, spec in layout.items():
-        path = paths[rel]
-        path.parent.mkdir(parents=True, exist_ok=True)
         part = {name: tensors[name].contiguous() for name in spec["tensors"]}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(part, str(tmp), metadata=spec.get("metadata"))
-        tmp.replace(path)
+        write_atomic(paths[rel], save(part, metadata=spec.get("metadata")))
     for rel, data in files.items():
-        path = paths[rel]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        write_atomic(paths[rel], data)
     if marker is not None:
-        (root / MARKER).write_text(json.dumps(marker))
+        write_json_atomic(root / MARKER, marker)
     return root
 
 

@@ -14,9 +14,15 @@ wrong base (:class:`WrongBase`) from corrupt data (:class:`CorruptData`); chunks
 are verified against the target at the end. A failure in one path (missing, truncated or
 corrupted object, wrong base) is recorded in ``last_errors`` and the next path is tried (one version
 behind, path 1 runs before any listing: see :meth:`VersionReader._next_version`); with
-``strict=True`` the first error is raised instead. When no path reaches the newest version and no
-explicit target was given, the newest intact keyframe is returned (its version is the second
-element of the result).
+``strict=True`` the first error is raised instead. Every error names the version and the store
+object that failed (``key``). A path through an object already seen to fail is not tried again.
+
+Staleness is the caller's decision, never a silent fallback: when no path reaches the version asked
+for (by default the newest committed one), the first fault is raised. Only a caller that passes
+``allow_older=True`` without a target gets the newest *older* version that verifies (tried newest
+first, at most ``max_fallbacks`` of them; the version is the second element of the result and the
+faults that skipped the newer ones are in ``last_errors``). ``deltaloop sync fetch --allow-older``
+is such a caller; the rollout worker is not (it keeps the version it serves).
 
 Every manifest is checked when it is read (:mod:`infra.weightsync.validate`): sizes, counts,
 offsets and names, and a total of at most ``max_bytes`` (default: this machine's memory), so a
@@ -43,16 +49,19 @@ import numpy as np
 
 from infra.gcpause import deferred_gc
 from infra.storage import ObjectNotFound
-from infra.weightsync.chunks import apply_frame
+from infra.weightsync.chunks import ChecksumMismatch, apply_frame
 from infra.weightsync.errors import (
     CorruptData,
     IncompatibleTensors,
+    ManifestError,
     MissingObject,
     VersionNotFound,
     WeightSyncError,
     WrongBase,
 )
 from infra.weightsync.layout import (
+    MANIFEST,
+    TAIL_SHARD,
     Manifest,
     TensorEntry,
     chunk_bounds,
@@ -61,6 +70,7 @@ from infra.weightsync.layout import (
     manifest_key,
     read_manifest_object,
     scan_versions,
+    version_dir,
 )
 from infra.weightsync.pools import Pools, settle
 from infra.weightsync.rawbytes import (
@@ -138,11 +148,14 @@ class VersionReader:
         """The manifest of a committed version (cached: manifests are immutable)."""
         man = self._manifests.get(version)
         if man is None:
+            key = manifest_key(self.prefix, version)
             try:
                 data = read_manifest_object(self.store, self.prefix, version)
+                man = Manifest.from_bytes(data, version, self.max_bytes)
             except ObjectNotFound:
                 raise VersionNotFound("not committed (no manifest) or collected", version=version) from None
-            man = Manifest.from_bytes(data, version, self.max_bytes)
+            except WeightSyncError as exc:
+                raise exc.at(key) from None
             if len(self._manifests) > 64:  # (they carry the last delta frames: <= delta_shard_bytes each)
                 self._manifests.pop(next(iter(self._manifests)))
             self._manifests[version] = man
@@ -183,15 +196,16 @@ class VersionReader:
         most ``max_bytes``, checked before it is read)."""
         out: dict[str, bytes] = {}
         for name, h in self.manifest(version).files.items():
+            key = files_key(self.prefix, h)
             try:
-                size = self.store.size(files_key(self.prefix, h))
+                size = self.store.size(key)
                 if size > self.max_bytes:
-                    raise CorruptData(f"side file {name!r} has {size} bytes, over max_bytes", version=version)
-                data = self.store.get(files_key(self.prefix, h))
+                    raise CorruptData(f"side file {name!r} has {size} bytes, over max_bytes", version=version, key=key)
+                data = self.store.get(key)
             except ObjectNotFound:
-                raise MissingObject(f"side file {name!r} is missing", version=version) from None
+                raise MissingObject(f"side file {name!r} is missing", version=version, key=key) from None
             if digest(data) != h:
-                raise CorruptData(f"side file {name!r} checksum mismatch", version=version)
+                raise CorruptData(f"side file {name!r} checksum mismatch", version=version, key=key)
             out[name] = data
         return out
 
@@ -203,16 +217,20 @@ class VersionReader:
         have_version: int | None = None,
         *,
         inplace: bool = False,
+        allow_older: bool = False,
     ) -> tuple[dict[str, "torch.Tensor"], int]:
         """Return ``(tensors, version)`` for ``target`` (default: the newest committed version).
 
         ``have``/``have_version``: the caller's tensors at that version, so only later deltas are
         downloaded. ``have`` is not modified unless ``inplace=True`` (then it is patched and returned;
         after a failed fetch it may hold a mix of versions and must not be passed as ``have`` again).
-        Python's cyclic garbage collector is held off meanwhile (:func:`infra.gcpause.deferred_gc`).
+        When no path reaches the version asked for, the first fault is raised (naming version and
+        object), unless ``allow_older`` and no ``target``: then the newest older version that
+        verifies is returned (see :meth:`_fetch`). Python's cyclic garbage collector is held off
+        meanwhile (:func:`infra.gcpause.deferred_gc`).
         """
         with deferred_gc():
-            return self._fetch(target, have, have_version, inplace)
+            return self._fetch(target, have, have_version, inplace, allow_older)
 
     def _fetch(
         self,
@@ -220,38 +238,24 @@ class VersionReader:
         have: dict[str, "torch.Tensor"] | None,
         have_version: int | None,
         inplace: bool,
+        allow_older: bool,
         one_behind_path: bool = True,
     ) -> tuple[dict[str, "torch.Tensor"], int]:
+        """Fast path one version ahead of ``have`` (no listing), else plan from a listing.
+
+        The newest committed version (or ``target``) is tried on every path (the caller's tensors,
+        then up to ``max_fallbacks`` keyframes). Only with ``allow_older`` and no ``target`` are
+        older versions tried next, newest first, up to ``max_fallbacks`` of them; a path through an
+        object already seen to fail (:func:`_bad_parts`) is skipped, so one corrupt object costs one
+        failed attempt, not one per older version."""
         t0 = time.perf_counter()
         self.last_errors = []
-        tried_have = False
-        if (one_behind_path and have is not None and have_version is not None
-                and (target is None or int(target) == have_version + 1)):
-            # the usual case: one version ahead. No listing: read that manifest and, when no target
-            # was given, check that the next one does not exist (versions are committed in order,
-            # so then it is the newest), both at once: one round trip instead of list + manifest.
-            goal1, probe = self._next_version(have_version, probe_newer=target is None)
-            if goal1 is not None and probe is not None and probe.done() and self._newer_committed(probe):
-                goal1 = None  # already known to be behind by more than one: list and fold instead
-            if goal1 is not None:
-                tried_have = True
-                try:
-                    self._chain(goal1, have_version, {goal1})
-                    out = self._run(goal1, None, [goal1], have, have_version, inplace)
-                except WeightSyncError as exc:
-                    if self.strict:
-                        raise
-                    log.warning("weight fetch path have -> %d failed: %s", goal1, exc)
-                    self.last_errors.append(exc)
-                else:
-                    if self._newer_committed(probe):
-                        # the store moved on while this version was applied (or the probe failed):
-                        # list, and fold the deltas after it in one pass; ``out`` is the caller's
-                        # tensors (inplace) or ours
-                        return self._fetch(None, out, goal1, True, one_behind_path=False)
-                    self.last_stats["seconds"] = time.perf_counter() - t0
-                    self.last_stats["path"] = "have"
-                    return out, goal1
+        bad: dict[int, set[str]] = {}  # version -> frames seen to fail ("k", "d"): see _bad_parts
+        have_ok = have is not None and have_version is not None
+        if one_behind_path and have_ok and (target is None or int(target) == have_version + 1):
+            done, have_ok = self._fetch_next(target, have, have_version, inplace, allow_older, bad, t0)  # type: ignore[arg-type]
+            if done is not None:
+                return done
         committed, keyframes = self._scan()
         explicit = target is not None
         if not committed:
@@ -260,31 +264,78 @@ class VersionReader:
         goal = int(target) if explicit else committed[-1]
         if goal not in committed:
             raise VersionNotFound(f"not committed (newest is {committed[-1]})", version=goal)
-        cset = set(committed)
-        plans: list[tuple[int, int | None]] = []  # (target, keyframe or None = from have)
-        if have is not None and have_version is not None and have_version <= goal and not tried_have:
-            plans.append((goal, None))  # (not again after the fast path failed: have may be patched)
-        keys = sorted((k for k in keyframes if k <= goal), reverse=True)
-        plans += [(goal, k) for k in keys[: self.max_fallbacks]]
-        if not explicit:  # last resort: the newest intact keyframe itself
-            plans += [(k, k) for k in keys[: self.max_fallbacks] if k != goal]
-        for goal_v, key in plans:
-            try:
-                steps = self._chain(goal_v, have_version if key is None else key, cset)
-                out = self._run(goal_v, key, steps, have if key is None else None, have_version, inplace)
-            except WeightSyncError as exc:
-                if self.strict:
-                    raise
-                log.warning("weight fetch path %s -> %d failed: %s", "have" if key is None else f"keyframe {key}",
-                            goal_v, exc)
-                self.last_errors.append(exc)
-                continue
-            self.last_stats["seconds"] = time.perf_counter() - t0
-            self.last_stats["path"] = "have" if key is None else f"keyframe {key}"
-            return out, goal_v
+        goals = [goal]
+        if allow_older and not explicit:
+            goals += [v for v in reversed(committed) if v < goal]
+        cset, keys = set(committed), sorted(keyframes, reverse=True)
+        tried_older = 0
+        for goal_v in goals:
+            if goal_v != goal and tried_older >= self.max_fallbacks:
+                break
+            plans: list[int | None] = [None] if have_ok and have_version is not None and have_version <= goal_v else []
+            plans += [k for k in keys if k <= goal_v][: self.max_fallbacks]
+            plans = [k for k in plans if _viable(bad, goal_v, have_version if k is None else k, k is not None)]
+            tried_older += bool(plans) and goal_v != goal
+            for key in plans:
+                try:
+                    steps = self._chain(goal_v, have_version if key is None else key, cset)
+                    out = self._run(goal_v, key, steps, have if key is None else None, have_version, inplace)
+                except WeightSyncError as exc:
+                    if self.strict:
+                        raise
+                    log.warning("weight fetch path %s -> %d failed: %s", "have" if key is None else
+                                f"keyframe {key}", goal_v, exc)
+                    self.last_errors.append(exc)
+                    _bad_parts(bad, exc)
+                    if key is None and (inplace or isinstance(exc, WrongBase)):
+                        have_ok = False  # patched (or not the version claimed): not a base any more
+                    continue
+                self.last_stats["seconds"] = time.perf_counter() - t0
+                self.last_stats["path"] = "have" if key is None else f"keyframe {key}"
+                self.last_stats["newest"] = goal  # the version asked for (newest committed, or target)
+                return out, goal_v
         if self.last_errors:
             raise self.last_errors[0]
         raise VersionNotFound("no keyframe at or below it and no usable base", version=goal)
+
+    def _fetch_next(
+        self,
+        target: int | None,
+        have: dict[str, "torch.Tensor"],
+        have_version: int,
+        inplace: bool,
+        allow_older: bool,
+        bad: dict[int, set[str]],
+        t0: float,
+    ) -> tuple[tuple[dict[str, "torch.Tensor"], int] | None, bool]:
+        """The usual case, one version ahead of the caller: no listing. Reads that manifest and, when
+        no target was given, checks that the next one does not exist (versions are committed in
+        order, so then it is the newest), both at once: one round trip instead of list + manifest.
+
+        Returns ``(result or None, whether have is still a usable base)``."""
+        goal1, probe = self._next_version(have_version, probe_newer=target is None)
+        if goal1 is not None and probe is not None and probe.done() and self._newer_committed(probe):
+            goal1 = None  # already known to be behind by more than one: list and fold instead
+        if goal1 is None:
+            return None, True
+        try:
+            self._chain(goal1, have_version, {goal1})
+            out = self._run(goal1, None, [goal1], have, have_version, inplace)
+        except WeightSyncError as exc:
+            if self.strict:
+                raise
+            log.warning("weight fetch path have -> %d failed: %s", goal1, exc)
+            self.last_errors.append(exc)
+            _bad_parts(bad, exc)
+            return None, not inplace and not isinstance(exc, WrongBase)
+        if self._newer_committed(probe):
+            # the store moved on while this version was applied (or the probe failed): list, and
+            # fold the deltas after it in one pass; ``out`` is the caller's tensors (inplace) or ours
+            return self._fetch(None, out, goal1, True, allow_older, one_behind_path=False), True
+        self.last_stats["seconds"] = time.perf_counter() - t0
+        self.last_stats["path"] = "have"
+        self.last_stats["newest"] = goal1
+        return (out, goal1), True
 
     def _chain(self, goal: int, start: int | None, committed: set[int]) -> list[int]:
         """Delta versions to apply after ``start`` to reach ``goal`` (checks they exist and chain)."""
@@ -326,7 +377,7 @@ class VersionReader:
         if key is not None:
             steps.append((key, "k", start))
         steps += [(v, "d", self.manifest(v)) for v in deltas]
-        ranges = plan_ranges(steps, self.prefix, self.range_bytes)
+        ranges = self._plan(steps)
         self.last_stats = {"bytes_read": sum(r.length for r in ranges), "versions": [s[0] for s in steps]}
         touched = [[False] * len(b) for b in bounds]
         bufs: list[np.ndarray] = []  # the output tensors' bytes, decoded into in place
@@ -358,6 +409,7 @@ class VersionReader:
                 apply_frame(frame, buf, c.h, frame_h=(c.k if kind == "k" else c.d)[3])  # type: ignore[index]
             except CorruptData as exc:  # frame digest, malformed frame or checksum mismatch
                 why = str(exc)
+                key = self._frame_key(v, man, c.k if kind == "k" else c.d)
                 if first and kind == "d":  # was the base wrong? (checked only on failure: saves a pass)
                     base_h = self.manifest(v - 1).tensors[ti].chunks[ci].h
                     if origs:
@@ -365,9 +417,10 @@ class VersionReader:
                         if digest(orig) != base_h:
                             raise WrongBase(f"chunk {ci}: the tensors given are not version {v - 1}",
                                             version=v, tensor=t.name) from None
-                    else:
-                        why += f" (corrupt data, or the in-place tensors were not version {v - 1})"
-                raise CorruptData(f"chunk {ci} ({kind} frame): {why}", version=v, tensor=t.name) from exc
+                    elif isinstance(exc, ChecksumMismatch):  # the in-place base is gone: cannot blame the object
+                        why += f" (corrupt data in {key}, or the in-place tensors were not version {v - 1})"
+                        key = None
+                raise CorruptData(f"chunk {ci} ({kind} frame): {why}", version=v, tensor=t.name, key=key) from exc
             touched[ti][ci] = True
 
         DecodePipeline(
@@ -377,6 +430,14 @@ class VersionReader:
         self._verify_untouched(touched, bounds, words, final, have_version)
         return _outputs(tensors, bufs, have, inplace)
 
+    def _plan(self, steps: list[Step]) -> list[Range]:
+        """:func:`plan_ranges` of ``steps``; its fault (a keyframe manifest without a chunk's
+        keyframe frame) names the manifest object."""
+        try:
+            return plan_ranges(steps, self.prefix, self.range_bytes)
+        except WeightSyncError as exc:
+            raise (exc.at(manifest_key(self.prefix, exc.version)) if exc.version is not None else exc) from None
+
     def _check_chain_layout(self, start: Manifest, deltas: list[int]) -> None:
         """Every delta version has the tensors and chunk size of the version replayed from, and a
         chunk without a delta frame keeps the previous version's digest (it did not change: only
@@ -385,13 +446,14 @@ class VersionReader:
         prev = start
         for v in deltas:
             man = self.manifest(v)
+            key = manifest_key(self.prefix, v)
             if man.signature() != sig or man.chunk_bytes != start.chunk_bytes:
-                raise IncompatibleTensors("tensor layout differs from its base", version=v)
+                raise IncompatibleTensors("tensor layout differs from its base", version=v, key=key)
             for t, pt in zip(man.tensors, prev.tensors):
                 for ci, (c, pc) in enumerate(zip(t.chunks, pt.chunks)):
                     if c.d is None and c.h != pc.h:
                         raise CorruptData(f"chunk {ci} has no delta frame, yet its digest differs from "
-                                          f"version {prev.version}'s", version=v, tensor=t.name)
+                                          f"version {prev.version}'s", version=v, tensor=t.name, key=key)
             prev = man
 
     def _verify_untouched(self, touched: list[list[bool]], bounds: list[list[tuple[int, int]]],
@@ -428,16 +490,53 @@ class VersionReader:
             data = man.tail[r.start : r.start + r.length]
             if len(data) != r.length:
                 raise CorruptData(f"manifest carries {len(man.tail)} bytes of frames, a frame ends at "
-                                  f"{r.start + r.length}", version=v, tensor=first)
+                                  f"{r.start + r.length}", version=v, tensor=first, key=manifest_key(self.prefix, v))
             return data
         try:
             data = self.store.get_range(r.key, r.start, r.length)
         except ObjectNotFound:
-            raise MissingObject(f"object {r.key} is missing", version=v, tensor=first) from None
+            raise MissingObject("missing", version=v, tensor=first, key=r.key) from None
         if len(data) != r.length:
-            raise CorruptData(f"object {r.key} truncated: got {len(data)} of {r.length} bytes at {r.start}",
-                              version=v, tensor=first)
+            raise CorruptData(f"truncated: got {len(data)} of {r.length} bytes at {r.start}",
+                              version=v, tensor=first, key=r.key)
         return data
+
+    def _frame_key(self, version: int, man: Manifest, loc: object) -> str | None:
+        """The store object holding a frame at ``loc`` (``[shard, offset, length, digest]``) of
+        ``version``: a shard, or the manifest for the frames it carries."""
+        if not isinstance(loc, (list, tuple)) or not loc:
+            return None
+        shard = man.shards[int(loc[0])]
+        return manifest_key(self.prefix, version) if shard == TAIL_SHARD else f"{version_dir(self.prefix, version)}/{shard}"
+
+
+def _bad_parts(bad: dict[int, set[str]], exc: WeightSyncError) -> None:
+    """Record in ``bad`` which frames of the version ``exc`` names cannot be used: ``"k"`` (its
+    keyframe shards), ``"d"`` (its delta shards and the delta frames its manifest carries), or both
+    (its manifest does not parse). Faults of the caller's tensors (:class:`WrongBase`) and faults
+    that name no object record nothing. Objects are immutable, so a path through a recorded part
+    fails again: :func:`_viable` skips it."""
+    if exc.version is None or exc.key is None or isinstance(exc, WrongBase):
+        return
+    name = exc.key.rsplit("/", 1)[-1]
+    if isinstance(exc, ManifestError):
+        parts = {"k", "d"}
+    elif name.startswith("k-"):
+        parts = {"k"}
+    elif name.startswith("d-") or name == MANIFEST:
+        parts = {"d"}
+    else:  # a side file: not on any replay path
+        return
+    bad.setdefault(exc.version, set()).update(parts)
+
+
+def _viable(bad: dict[int, set[str]], goal: int, start: int | None, keyframe: bool) -> bool:
+    """Whether a replay to ``goal`` from ``start`` (its keyframe frames when ``keyframe``, else the
+    caller's tensors at ``start``), then the delta frames of ``start+1..goal``, avoids every part
+    recorded in ``bad``."""
+    if start is None or (keyframe and "k" in bad.get(start, ())):
+        return False
+    return not any("d" in bad.get(v, ()) for v in range(start + 1, goal + 1))
 
 
 def _chunk_ranges(dtype: str, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

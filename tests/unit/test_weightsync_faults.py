@@ -1,7 +1,8 @@
 """Faults: truncated / corrupted / missing objects, wrong base, publisher killed mid-upload.
 
-In every case the reader never returns a partial version, the error names version and tensor, and a
-non-strict reader recovers from the newest intact keyframe.
+In every case the reader never returns a partial version, the error names version, tensor and object,
+a non-strict reader recovers the version asked for by another path where one exists, and returns an
+older version only when the caller allows it (``allow_older``): then the newest one that verifies.
 """
 
 from __future__ import annotations
@@ -62,10 +63,14 @@ def test_truncated_delta_names_version_and_tensor(store: FileStore) -> None:
         VersionReader(store, PREFIX, strict=True).fetch(have=have, have_version=3)
     assert "version 4" in str(err.value) and "tensor '" in str(err.value)
     assert err.value.version == 4 and err.value.tensor
-    # non-strict: no path reaches 4, so it returns the newest intact keyframe (3)
+    # non-strict: no path reaches 4, and the newest version is never silently replaced by an older one
     rd = VersionReader(store, PREFIX)
-    got, v = rd.fetch(have=have, have_version=3)
-    assert v == 3 and same(got, h[2]) and rd.last_errors
+    with pytest.raises(CorruptData) as err:
+        rd.fetch(have=have, have_version=3)
+    assert err.value.version == 4 and err.value.key == f"{PREFIX}/v00000004/d-0000.bin"
+    # unless the caller accepts an older version: then the newest that verifies (3, the caller's own)
+    got, v = rd.fetch(have=have, have_version=3, allow_older=True)
+    assert v == 3 and same(got, h[2]) and rd.last_errors and rd.last_stats["newest"] == 4
     with pytest.raises(CorruptData):  # an explicit target is never silently replaced
         rd.fetch(4)
 
@@ -92,6 +97,42 @@ def test_corrupt_keyframe_recovers_from_older_keyframe(store: FileStore) -> None
     assert v == 4 and same(got, h[3])
     assert rd.last_stats["versions"] == [1, 2, 3, 4]
     assert isinstance(rd.last_errors[0], CorruptData) and rd.last_errors[0].version == 3
+
+
+def test_latest_fallback_is_the_newest_version_that_verifies(store: FileStore) -> None:
+    """Replays the stale-weight fault of issue #16 in the reader: with a corrupt object in the chain
+    to the newest version, a reader asked for "latest" either fails naming version and object or,
+    allowed an older version, returns the newest one that verifies — never the keyframe (which the
+    reader returned before). The corrupt object is tried once, not once per older version."""
+    h = _history(store, n=6, k=100)  # keyframe 1, deltas 2..6
+    shard = f"{PREFIX}/v00000004/d-0000.bin"
+    p = store.root / shard
+    good = p.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    rd = VersionReader(store, PREFIX)
+    with pytest.raises(CorruptData) as err:
+        rd.fetch()
+    assert err.value.version == 4 and err.value.key == shard and shard in str(err.value)
+    with pytest.raises(CorruptData):
+        rd.fetch(5)  # an explicit target is never replaced either
+    got, v = rd.fetch(allow_older=True)
+    assert v == 3 and same(got, h[2]) and rd.last_stats["newest"] == 6
+    assert [(e.version, e.key) for e in rd.last_errors] == [(4, shard)]  # versions 5 and 4 were skipped
+    assert rd.last_stats["versions"] == [1, 2, 3]
+    # the newest manifest unreadable: the next one down is the newest that verifies
+    p.write_bytes(good)
+    man = store.root / PREFIX / "v00000006" / "manifest.json.zst"
+    blob = bytearray(man.read_bytes())
+    blob[6] ^= 0x01  # inside the header
+    man.write_bytes(bytes(blob))
+    rd = VersionReader(store, PREFIX)
+    with pytest.raises(ManifestError) as merr:
+        rd.fetch()
+    assert merr.value.version == 6 and merr.value.key == f"{PREFIX}/v00000006/manifest.json.zst"
+    got, v = rd.fetch(allow_older=True)
+    assert v == 5 and same(got, h[4])
 
 
 def test_missing_object(store: FileStore) -> None:
@@ -146,8 +187,11 @@ def test_frames_carried_by_the_manifest(store: FileStore) -> None:
     p.write_bytes(blob[:6])  # cut inside the header
     with pytest.raises(ManifestError):
         VersionReader(store, PREFIX, strict=True).fetch(4)
-    rd = VersionReader(store, PREFIX)  # not strict: the newest intact keyframe
-    got, v = rd.fetch()
+    rd = VersionReader(store, PREFIX)  # not strict: still the newest version, or a fault naming it
+    with pytest.raises(ManifestError) as merr:
+        rd.fetch()
+    assert merr.value.version == 4 and merr.value.key == f"{PREFIX}/v00000004/manifest.json.zst"
+    got, v = rd.fetch(allow_older=True)  # accepted explicitly: the newest version that verifies
     assert v == 3 and same(got, h[2]) and rd.last_errors
     p.write_bytes(blob)
     got, v = VersionReader(store, PREFIX, strict=True).fetch(have=have, have_version=3)

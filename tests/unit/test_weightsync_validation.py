@@ -147,9 +147,10 @@ def test_crafted_version_is_a_weight_sync_error_for_the_reader(store: FileStore,
     assert rd.last_errors and all(isinstance(e, WeightSyncError) for e in rd.last_errors)
 
 
-def test_crafted_newest_version_falls_back_to_the_intact_keyframe(store: FileStore) -> None:
+def test_crafted_newest_version_fails_or_falls_back_to_the_newest_good_one(store: FileStore) -> None:
     """Replays finding 3 of issue #15: a crafted newest version is a ManifestError, so a non-strict
-    reader with no explicit target skips it and returns the newest intact keyframe."""
+    reader with no explicit target fails naming it, or, allowed an older version, returns the newest
+    one that verifies."""
     want, _ = VersionReader(store, PREFIX).fetch(3)
     d = Drift()
     pub = VersionPublisher(store, PREFIX, keyframe_every=2, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
@@ -158,7 +159,9 @@ def test_crafted_newest_version_falls_back_to_the_intact_keyframe(store: FileSto
     pub.publish(d.bf16())  # version 4: a delta
     store.put(manifest_key(PREFIX, 4), _crafted(store, 4, _set("tensors.0.nbytes", 1 << 60)))
     rd = VersionReader(store, PREFIX)
-    got, v = rd.fetch()
+    with pytest.raises(ManifestError, match="nbytes"):
+        rd.fetch()
+    got, v = rd.fetch(allow_older=True)
     assert v == 3 and same(got, want)
     assert isinstance(rd.last_errors[0], ManifestError) and "nbytes" in str(rd.last_errors[0])
 
