@@ -53,5 +53,7 @@ def register(app: typer.Typer) -> None:
                                    "stderr_tail": f"sandbox unavailable: {exc}", "wall_seconds": 0.0}))
             raise typer.Exit(3)
         typer.echo(json.dumps(result))
+        if result.get("infra"):  # every attempt's sandbox failed: the program was never judged
+            raise typer.Exit(3)
 
     app.add_typer(sandbox_app, name="sandbox")

@@ -5,24 +5,31 @@ sandbox process or container behind.
 The integration tests that execute untrusted programs (hostile jobs, trusted unit tests, datasets,
 HumanEval, multi-turn tools) share these so that they agree on what "unavailable" means and on how
 strictly teardown is checked.
+
+Fault injection from outside (issue #16): :func:`own_sandboxes` finds the sandboxes this test process
+started by looking at the host as an operator would (``/proc`` for bwrap, the daemon for docker),
+never at the pool's internals, and :func:`kill_sandbox` kills one for real (``kill -9`` of the bwrap
+process group, ``docker kill`` of the container).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import pytest
 
 from infra.config import SandboxConfig
 from infra.sandbox import SandboxError, SandboxPool, create_pool
 
-__all__ = ["RUNTIMES", "SANDBOX_UID", "assert_no_sandbox_left", "open_pool", "running_pool", "sandbox_config",
-           "unavailable"]
+__all__ = ["RUNTIMES", "SANDBOX_UID", "Sandbox", "assert_no_sandbox_left", "kill_sandbox", "open_pool",
+           "own_sandboxes", "running_pool", "sandbox_config", "unavailable"]
 
 RUNTIMES = ["bwrap", pytest.param("docker", marks=pytest.mark.docker)]
 SANDBOX_UID = 65534  # SandboxConfig.uid's default: every sandbox process runs as this uid on the host
@@ -109,7 +116,87 @@ def _own_containers() -> list[str]:
 
     client = docker.from_env()
     try:
-        return [c.id for c in client.containers.list(all=True, filters={"label": _LABEL})
-                if c.labels.get(f"{_LABEL}.owner", "").endswith(f":{os.getpid()}")]
+        return [c["Id"] for c in client.api.containers(all=True, filters={"label": _LABEL})
+                if (c.get("Labels") or {}).get(f"{_LABEL}.owner", "").endswith(f":{os.getpid()}")]
     finally:
         client.close()
+
+
+# ------------------------------------------------------------------------------ fault injection
+class Sandbox(NamedTuple):
+    """One sandbox of this test process, as seen from the host."""
+
+    runtime: str
+    target: str  #: the bwrap process's pid (leader of its process group) or the container id
+    busy: bool  #: a job runs in it now
+
+
+def _proc_tree() -> dict[int, list[int]]:
+    """Host process tree: pid -> child pids (processes that exit while being read are passed over)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    return children
+
+
+def _depth(tree: dict[int, list[int]], pid: int) -> int:
+    """How many generations of descendants ``pid`` has (0: none)."""
+    kids = tree.get(pid, [])
+    return 1 + max(_depth(tree, k) for k in kids) if kids else 0
+
+
+def own_sandboxes(runtime: str) -> list[Sandbox]:
+    """The sandboxes this test process started, seen from the host.
+
+    bwrap: children of this process named ``bwrap``; a job runs when the tree below it is bwrap ->
+    runner -> zygote -> worker (3 generations). docker: containers whose owner label names this
+    process; a job runs when the container's init (the runner) has a grandchild (zygote -> worker).
+    """
+    tree = _proc_tree()
+    if runtime == "bwrap":
+        out = []
+        for pid in tree.get(os.getpid(), []):
+            try:
+                with open(f"/proc/{pid}/comm") as fh:
+                    if fh.read().strip() != "bwrap":
+                        continue
+            except OSError:
+                continue
+            out.append(Sandbox("bwrap", str(pid), _depth(tree, pid) >= 3))
+        return out
+    import docker
+
+    client = docker.from_env()
+    try:
+        out = []
+        for c in client.api.containers(filters={"label": _LABEL}):  # running ones, no per-container lookup
+            if not (c.get("Labels") or {}).get(f"{_LABEL}.owner", "").endswith(f":{os.getpid()}"):
+                continue
+            try:
+                init = int(client.api.inspect_container(c["Id"])["State"]["Pid"])
+            except docker.errors.NotFound:  # removed meanwhile
+                continue
+            out.append(Sandbox("docker", c["Id"], init > 0 and _depth(tree, init) >= 2))
+        return out
+    finally:
+        client.close()
+
+
+def kill_sandbox(sandbox: Sandbox) -> None:
+    """Kill one sandbox from outside, for real: SIGKILL to the bwrap process group (only a group this
+    process started: its leader is our child), or ``docker kill`` of the container."""
+    if sandbox.runtime == "bwrap":
+        pid = int(sandbox.target)
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    subprocess.run(["docker", "kill", sandbox.target], capture_output=True, timeout=60, check=False)

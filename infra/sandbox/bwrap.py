@@ -101,7 +101,11 @@ class BwrapRuntime:
 
     def spawn(self) -> RunnerHandle:
         """Start one warm sandbox and wait until its runner is ready."""
-        transport = PipeTransport(bwrap_argv(self.cfg), env={"PATH": "/usr/bin:/bin"}, user=_host_user(self.cfg))
+        argv = bwrap_argv(self.cfg)
+        try:
+            transport = PipeTransport(argv, env={"PATH": "/usr/bin:/bin"}, user=_host_user(self.cfg))
+        except OSError as exc:  # fork/exec failed (no memory, process limit): the host's, not a job's
+            raise SandboxError(f"bwrap could not be started: {exc}") from exc
         try:
             return start_runner(transport, f"bwrap-{os.getpid()}-{next(_ids)}", self.cfg.start_timeout_s)
         except Exception as exc:

@@ -21,6 +21,7 @@ import select
 import socket
 import struct
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -36,6 +37,7 @@ ENV = {"PATH": "/usr/bin:/bin", "HOME": "/scratch", "TMPDIR": "/scratch", "LANG"
 LABEL = "org.deltaloop.sandbox"
 PYTHON = "/usr/bin/python3"
 OVERHEAD_MB = 64  # runner + zygote resident memory on top of the job's limit
+STATE_SETTLE_S = 5.0  # how long a dead sandbox's container may still be reported running
 
 
 def runner_opts(cfg: SandboxConfig) -> dict[str, Any]:
@@ -130,13 +132,21 @@ class DockerTransport:
             pass
 
     def death_reason(self) -> str:
-        try:
-            self.container.reload()
-            if self.container.attrs.get("State", {}).get("OOMKilled"):
+        """``memory`` only when the daemon says the container was OOM-killed; ``killed`` otherwise
+        (killed or removed from outside, daemon unreachable). The attach stream can end before the
+        daemon has recorded the exit, so wait (briefly) until it no longer reports it running."""
+        deadline = time.monotonic() + STATE_SETTLE_S
+        while True:
+            try:
+                self.container.reload()
+            except Exception:  # removed (NotFound) or the daemon is unreachable: not the job's doing
+                return "killed"
+            state = self.container.attrs.get("State", {})
+            if state.get("OOMKilled"):
                 return "memory"
-        except Exception:
-            pass
-        return "killed"
+            if not state.get("Running") or time.monotonic() >= deadline:
+                return "killed"
+            time.sleep(0.05)
 
 
 class DockerRuntime:

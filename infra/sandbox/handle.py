@@ -25,7 +25,7 @@ class Transport(Protocol):
     """Byte stream to a runner plus a kill switch."""
 
     def send(self, data: bytes) -> None:
-        """Write all of ``data`` to the runner's stdin (raises ``OSError`` when gone)."""
+        """Write all of ``data`` to the runner's stdin (raises ``OSError`` or ``ValueError`` when gone)."""
 
     def read_some(self, timeout: float) -> bytes | None:
         """Up to a few KiB of the runner's stdout; ``None`` on timeout, ``b""`` at end of stream."""
@@ -55,8 +55,11 @@ class RunnerHandle:
         while b"\n" not in self._buf:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise SandboxDied("runner did not answer in time")
-            chunk = self.transport.read_some(remaining)
+                raise SandboxDied("runner did not answer in time", "timeout")
+            try:
+                chunk = self.transport.read_some(remaining)
+            except (OSError, ValueError) as exc:  # connection reset, or the handle closed under us
+                raise SandboxDied(f"runner connection lost: {exc}") from None
             if chunk is None:
                 continue
             if not chunk:
@@ -71,9 +74,9 @@ class RunnerHandle:
         try:
             hello = json.loads(line)
         except ValueError:
-            raise SandboxDied(f"bad hello from runner: {line[:200]!r}") from None
-        if not hello.get("ready"):
-            raise SandboxDied(f"runner not ready: {hello}")
+            raise SandboxDied(f"bad hello from runner: {line[:200]!r}", "garbled") from None
+        if not isinstance(hello, dict) or not hello.get("ready"):
+            raise SandboxDied(f"runner not ready: {hello}", "garbled")
         self.info = hello
         return hello
 
@@ -84,17 +87,28 @@ class RunnerHandle:
                 raise SandboxDied("sandbox closed")
             try:
                 self.transport.send(json.dumps(job, separators=(",", ":")).encode() + b"\n")
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: its stream was closed (sandbox killed)
                 raise SandboxDied(f"runner unreachable: {exc}") from None
             line = self._read_line(time.monotonic() + timeout)
             self.jobs += 1
         try:
             reply = json.loads(line)
         except ValueError:
-            raise SandboxDied(f"bad reply from runner: {line[:200]!r}") from None
+            raise SandboxDied(f"bad reply from runner: {line[:200]!r}", "garbled") from None
         if not isinstance(reply, dict):
-            raise SandboxDied("bad reply from runner")
+            raise SandboxDied("bad reply from runner", "garbled")
         return reply
+
+    def idle_ok(self) -> bool:
+        """Whether an idle sandbox still looks alive, without blocking. An idle runner sends
+        nothing, so anything readable — end of stream (killed while idle) or stray bytes — means
+        this sandbox must not be handed a job."""
+        if self._closed or self._buf:
+            return False
+        try:
+            return self.transport.read_some(0.0) is None
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         """Kill the sandbox (idempotent)."""
@@ -197,4 +211,4 @@ class PipeTransport:
                 pass
 
     def death_reason(self) -> str:
-        return "killed"
+        return "killed"  # no cgroup: nothing on the host records an OOM kill of the runner

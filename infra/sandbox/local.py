@@ -63,7 +63,10 @@ class LocalRuntime:
         scratch = os.path.join(self.root, f"s{n}")
         os.makedirs(scratch, mode=0o700)
         env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8", "MALLOC_ARENA_MAX": "2"}
-        transport = PipeTransport(runner_argv(self.python, "--runner", self._opts(scratch)), env=env)
+        try:
+            transport = PipeTransport(runner_argv(self.python, "--runner", self._opts(scratch)), env=env)
+        except OSError as exc:
+            raise SandboxError(f"local runner could not be started: {exc}") from exc
         try:
             return start_runner(transport, f"local-{os.getpid()}-{n}", self.cfg.start_timeout_s)
         except Exception as exc:

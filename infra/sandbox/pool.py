@@ -11,9 +11,21 @@ limit). A background *warmer* thread starts sandboxes up to the target; sandboxe
 retired only after ``idle_timeout_s`` of quiet, so the buffer survives the gaps between RL steps.
 A job that finds no idle sandbox starts one itself (counted as queue wait).
 
-Every job gets exactly one result: a sandbox that dies or stops answering becomes a scored failure
-(``killed``, ``memory`` or ``timeout``) and is replaced. Only infrastructure failure — no sandbox can
-be started at all — raises :class:`~infra.sandbox.types.SandboxError` (retryable).
+Every job gets exactly one result, and the result says whose failure it is (docs/sandbox.md, "Faults"):
+
+* the job's own — its program timed out, ran out of memory or output, crashed, or killed or
+  exhausted its own sandbox (the runner replied, or the host's backstop timed out, or the runtime
+  says the sandbox was OOM-killed): reward 0 with that reason, never retried;
+* the infrastructure's — the sandbox vanished while the job ran or before it (end of the runner's
+  stream, a broken connection, a container removed, a daemon error), the runner could not start the
+  job, or no sandbox could be started. The job cannot cause these: the runner is PID 1 of its
+  namespace and ignores signals, and the job holds none of its fds. Such a job is retried on a fresh
+  sandbox up to ``sandbox.infra_retries`` times (waits ``infra_backoff_s``, doubling); if every
+  attempt fails so, its result has ``infra=True`` and reason ``infra`` (no score: mask it).
+
+An idle sandbox is checked before it is handed a job (a killed one has an ended stream), so a host
+that lost all its sandboxes costs one retry, not one per dead sandbox. Only ``start()`` raises
+:class:`~infra.sandbox.types.SandboxError` (retryable), when not one of ``min_warm`` can start.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from typing import Any, Callable, Protocol, TypeVar
 
 from infra.config import SandboxConfig
 from infra.sandbox import protocol
+from infra.sandbox.faults import Failure, death_reason
 from infra.sandbox.handle import RunnerHandle
 from infra.sandbox.types import (
     ExecResult,
@@ -112,6 +125,7 @@ class SandboxPool:
         self._last_spawn_error = ""
         self._started = False
         self._closed = False
+        self._closing = threading.Event()  # set by close(): ends a retry's backoff at once
         self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="sandbox-job")
         self._wake = threading.Event()
         self._warmer: threading.Thread | None = None
@@ -145,11 +159,12 @@ class SandboxPool:
         return self
 
     def close(self) -> None:
-        """Kill every sandbox (busy ones too: their jobs end as ``killed``). Idempotent."""
+        """Kill every sandbox (busy ones too: their jobs end with ``infra=True``). Idempotent."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
+            self._closing.set()
             handles = list(self._handles)
             self._idle.clear()
             self._cond.notify_all()
@@ -232,54 +247,102 @@ class SandboxPool:
         timeout = req.timeout_s or self.cfg.timeout_s
         job = protocol.verify_job(req, timeout)
         outcome = self._run(job, t_submit)
-        if isinstance(outcome, tuple):
-            return protocol.failure_verify(req, *outcome)
+        if isinstance(outcome, Failure):
+            return protocol.failure_verify(req, outcome.reason, outcome.message, outcome.wall, outcome.infra)
         return protocol.to_verify_result(req, outcome)
 
     def _tests_one(self, t_submit: float, req: TestsRequest) -> TestsResult:
         job = protocol.run_tests_job(req, req.timeout_s or self.cfg.timeout_s)
         outcome = self._run(job, t_submit)
-        if isinstance(outcome, tuple):
-            return protocol.failure_tests(*outcome)
+        if isinstance(outcome, Failure):
+            return protocol.failure_tests(outcome.reason, outcome.message, outcome.wall, outcome.infra)
         return protocol.to_tests_result(outcome)
 
     def _exec_one(self, t_submit: float, program: str, timeout_s: float | None) -> ExecResult:
         job = protocol.exec_job(program, timeout_s or self.cfg.timeout_s)
         outcome = self._run(job, t_submit)
-        if isinstance(outcome, tuple):
-            return protocol.failure_exec(*outcome)
+        if isinstance(outcome, Failure):
+            return protocol.failure_exec(outcome.reason, outcome.message, outcome.wall, outcome.infra)
         return protocol.to_exec_result(outcome)
 
-    def _run(self, job: dict[str, Any], t_submit: float) -> "dict[str, Any] | tuple[str, str, float]":
-        """Run a job on some sandbox: the runner's reply, or (reason, message, wall) on sandbox death."""
-        for attempt in range(2):
+    def _run(self, job: dict[str, Any], t_submit: float) -> "dict[str, Any] | Failure":
+        """Run a job: the runner's reply, or a :class:`Failure`. An attempt the infrastructure failed
+        is retried on a fresh sandbox, ``infra_retries`` times at most, after a backoff that doubles
+        from ``infra_backoff_s``; when every attempt failed so, an ``infra`` failure."""
+        failure = Failure("infra", "pool closed", infra=True)
+        made = 0
+        for attempt in range(self.cfg.infra_retries + 1):
+            if attempt:
+                if self._closing.wait(self.cfg.infra_backoff_s * 2 ** (attempt - 1)):
+                    break  # closed while waiting: no sandbox will come
+                with self._m_lock:
+                    self._infra_retries += 1
+            made += 1
+            outcome = self._attempt(job, t_submit)
+            if not isinstance(outcome, Failure) or not outcome.infra:
+                return outcome
+            failure = outcome
+            if outcome.final:
+                break
+        now = time.monotonic()
+        with self._m_lock:
+            self._infra_unscored += 1
+        self._record_job(t_submit, now - failure.wall, failure.wall, failure.wall, retired=True)
+        return Failure("infra", f"infrastructure failure on {made} attempt(s), last: {failure.message}",
+                        failure.wall, infra=True)
+
+    def _attempt(self, job: dict[str, Any], t_submit: float) -> "dict[str, Any] | Failure":
+        """One attempt on one sandbox: the reply, or a failure saying whose it is."""
+        try:
             handle = self._acquire()
-            t_acq = time.monotonic()
-            try:
-                reply = handle.call(job, float(job["timeout"]) + self.cfg.kill_grace_s)
-            except SandboxDied as exc:
-                wall = time.monotonic() - t_acq
-                msg = str(exc)
-                unreachable = msg.startswith("runner unreachable")
-                reason = "timeout" if "in time" in msg else handle.transport.death_reason()
-                self._release(handle, retire=True)
-                self._record_error()
-                if unreachable and attempt == 0:
-                    continue  # it died while idle: the job never ran, give it a fresh sandbox
-                self._record_job(t_submit, t_acq, wall, wall, retired=True)
-                return (reason, f"sandbox failure: {msg}", wall)
-            latency = time.monotonic() - t_acq
-            retire = bool(reply.get("anomaly") or reply.get("fatal"))
-            recycle = handle.jobs >= self.cfg.max_jobs_per_sandbox
-            if retire:
-                self._record_error(anomaly=True)
-            self._release(handle, retire=retire or recycle)
-            self._record_job(t_submit, t_acq, latency, float(reply.get("run_s", 0.0)), retired=retire or recycle)
-            return reply
-        raise AssertionError("unreachable")
+        except SandboxError as exc:
+            self._record_infra()
+            return Failure("infra", f"no sandbox could be started: {exc}", infra=True,
+                            final=isinstance(exc, SandboxUnusable))
+        t_acq = time.monotonic()
+        try:
+            reply = handle.call(job, float(job["timeout"]) + self.cfg.kill_grace_s)
+        except SandboxDied as exc:
+            wall = time.monotonic() - t_acq
+            reason = death_reason(exc, handle)
+            self._release(handle, retire=True)
+            if reason == "infra":
+                self._record_infra()
+                return Failure("infra", f"sandbox lost: {exc}", wall, infra=True)
+            self._record_error()
+            self._record_job(t_submit, t_acq, wall, wall, retired=True)
+            return Failure(reason, f"sandbox failure: {exc}", wall)
+        latency = time.monotonic() - t_acq
+        if reply.get("infra"):  # the runner could not start the job (it never ran)
+            self._release(handle, retire=True)
+            self._record_infra()
+            return Failure("infra", f"sandbox could not run the job: {reply.get('fatal')}", latency, infra=True)
+        # A cgroup OOM kill leaves the container flagged OOMKilled for good: retire it, so that a later
+        # death of this sandbox is never read as the next job's memory failure.
+        retire = bool(reply.get("anomaly") or reply.get("fatal") or reply.get("oom"))
+        recycle = handle.jobs >= self.cfg.max_jobs_per_sandbox
+        if retire:
+            self._record_error(anomaly=True)
+        self._release(handle, retire=retire or recycle)
+        self._record_job(t_submit, t_acq, latency, float(reply.get("run_s", 0.0)), retired=retire or recycle)
+        return reply
 
     # ------------------------------------------------------------------------ sandboxes
     def _acquire(self) -> RunnerHandle:
+        """An idle sandbox that still looks alive, else one started in this job's thread (counted as
+        queue wait). Raises SandboxError when that start fails, SandboxUnusable when the pool closed."""
+        while True:
+            handle = self._take_idle()
+            if handle is None:
+                return self._cold_start()
+            if handle.idle_ok():
+                return handle
+            self._release(handle, retire=True)  # died while idle (killed from outside): no job lost in it
+            self._record_error()
+
+    def _take_idle(self) -> RunnerHandle | None:
+        """Pop an idle sandbox, waiting for one a warmer is starting; None (with a start pre-counted
+        in ``_live``/``_starting``) when this job must start its own."""
         with self._cond:
             self._waiters += 1
             try:
@@ -295,30 +358,27 @@ class SandboxPool:
                         continue
                     self._live += 1
                     self._starting += 1
-                    break
+                    return None
             finally:
                 self._waiters -= 1
-        # Cold start in this job's thread.
-        last = ""
-        for _ in range(3):
-            try:
-                handle = self._timed_spawn()
-            except SandboxError as exc:
-                last = str(exc)
-                self._record_error()
-                continue
+
+    def _cold_start(self) -> RunnerHandle:
+        """Start one sandbox for the calling job (``_live``/``_starting`` pre-counted)."""
+        try:
+            handle = self._timed_spawn()
+        except SandboxError:
             with self._cond:
                 self._starting -= 1
-                if self._closed:
-                    self._live -= 1
-                    handle.close()
-                    raise SandboxUnusable("pool is closed")
-                self._handles.add(handle)
-            return handle
+                self._live -= 1
+            raise
         with self._cond:
             self._starting -= 1
-            self._live -= 1
-        raise SandboxError(f"no sandbox could be started: {last}")
+            if self._closed:
+                self._live -= 1
+                handle.close()
+                raise SandboxUnusable("pool is closed")
+            self._handles.add(handle)
+        return handle
 
     def _timed_spawn(self) -> RunnerHandle:
         t0 = time.monotonic()
@@ -416,6 +476,9 @@ class SandboxPool:
         self._overhead_ms: deque[float] = deque(maxlen=_SAMPLES)
         self._jobs = 0
         self._errors = 0
+        self._infra_failures = 0
+        self._infra_retries = 0
+        self._infra_unscored = 0
         self._anomalies = 0
         self._retired = 0
         self._started_count = 0
@@ -426,6 +489,11 @@ class SandboxPool:
     def _add_idle_time(self, seconds: float) -> None:
         with self._m_lock:
             self._idle_s += seconds
+
+    def _record_infra(self) -> None:
+        with self._m_lock:
+            self._errors += 1
+            self._infra_failures += 1
 
     def _record_error(self, anomaly: bool = False) -> None:
         with self._m_lock:
@@ -443,6 +511,11 @@ class SandboxPool:
     def metrics(self, reset: bool = False) -> dict[str, float]:
         """Latency percentiles (ms), utilisation, idle sandbox-seconds, counters, warm size.
 
+        Fault counters: ``infra_failures`` (attempts the infrastructure failed: sandbox lost, none
+        could start), ``infra_retries`` (fresh attempts made after one), ``infra_unscored`` (jobs whose
+        every attempt failed so: results with ``infra=True``); ``errors`` counts every failed attempt
+        and retired-on-anomaly job, ``anomalies`` the jobs that left a sandbox dirty.
+
         ``reset=True`` starts a new window (call it once per RL step and log the dict to MLflow).
         """
         now = time.monotonic()
@@ -457,6 +530,9 @@ class SandboxPool:
                 "jobs": float(self._jobs),
                 "errors": float(self._errors),
                 "anomalies": float(self._anomalies),
+                "infra_failures": float(self._infra_failures),
+                "infra_retries": float(self._infra_retries),
+                "infra_unscored": float(self._infra_unscored),
                 "retired": float(self._retired),
                 "sandboxes_started": float(self._started_count),
                 "warm_size": float(live),

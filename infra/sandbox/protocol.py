@@ -183,16 +183,17 @@ def to_tests_result(reply: dict[str, Any]) -> TestsResult:
     return TestsResult(False, 0.0, _UNTESTABLE.get(str(phase), "error"), *common)
 
 
-def failure_tests(reason: str, message: str, wall: float = 0.0) -> TestsResult:
-    """A scored failure for a tests job whose sandbox died or could not run it."""
-    return TestsResult(False, 0.0, reason, "", message, wall)
+def failure_tests(reason: str, message: str, wall: float = 0.0, infra: bool = False) -> TestsResult:
+    """A failure for a tests job whose sandbox died or could not run it (``infra``: not the job's doing)."""
+    return TestsResult(False, 0.0, reason, "", message, wall, infra=infra)
 
 
-def failure_verify(req: VerifyRequest, reason: str, message: str, wall: float = 0.0) -> VerifyResult:
-    """A scored failure for a job whose sandbox died or could not run it."""
-    return VerifyResult([False] * len(req.tests), 0.0, reason, "", message, wall)
+def failure_verify(req: VerifyRequest, reason: str, message: str, wall: float = 0.0,
+                   infra: bool = False) -> VerifyResult:
+    """A failure for a job whose sandbox died or could not run it (``infra``: not the job's doing)."""
+    return VerifyResult([False] * len(req.tests), 0.0, reason, "", message, wall, infra=infra)
 
 
-def failure_exec(reason: str, message: str, wall: float = 0.0) -> ExecResult:
-    """An :class:`ExecResult` for a job whose sandbox died or could not run it."""
-    return ExecResult(None, reason, "", message, wall)
+def failure_exec(reason: str, message: str, wall: float = 0.0, infra: bool = False) -> ExecResult:
+    """An :class:`ExecResult` for a job whose sandbox died or could not run it (``infra``: not the job's doing)."""
+    return ExecResult(None, reason, "", message, wall, infra=infra)

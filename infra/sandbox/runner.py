@@ -45,7 +45,9 @@ status 0 and no timeout or output cap.
 
 After every job R kills W's process group, reaps orphans, lists ``/proc`` and reports an *anomaly*
 if any process other than R and Z survived (then it kills them all with ``kill(-1)``; the host
-retires the sandbox), and wipes the writable dirs (scratch, ``/dev/shm``).
+retires the sandbox), and wipes the writable dirs (scratch, ``/dev/shm``). When R cannot start a
+zygote for a job (so the job never ran), its reply carries ``"infra": true``: the failure is the
+sandbox's, and the host retries the job on a fresh one.
 
 Invocation (host side builds it): ``python3 -I -S -B -c "import sys;exec(sys.argv[1])" SOURCE MODE
 OPTIONS_JSON``; MODE is ``--runner``, ``--zygote FD`` or ``--oneshot [JOB_JSON]`` (run one job and print the
@@ -788,7 +790,11 @@ class Runner:
         tail = int(opts.get("tail_bytes", 4096))
         oom_before = _oom_count()
         if self.zpid is None:
-            self.spawn_zygote()
+            try:
+                self.spawn_zygote()
+            except Exception as exc:  # before the job ran: not its doing, the host retries it elsewhere
+                return {"id": job.get("id"), "fatal": "zygote did not start: %s: %s" % (type(exc).__name__, exc),
+                        "anomaly": "runner error", "infra": True}
         t0 = time.monotonic()
         reply = {"id": job.get("id"), "exit": None, "signal": None, "timed_out": False,
                  "output_limit": False, "oom": False, "anomaly": None}
