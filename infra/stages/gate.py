@@ -37,9 +37,30 @@ from infra.storage import get_json, put_json
 Evaluator = Callable[[str, str], dict[str, Any]]  # (version, model_dir) -> report with problem_ids, rewards
 
 
+def unscored_problems(*reports: dict[str, Any] | None) -> list[bool] | None:
+    """Per problem, whether any of ``reports`` has no scored sample of it (every sample masked by an
+    infrastructure failure); None when none has such a problem."""
+    flags = [r.get("masked_problems") for r in reports if r and r.get("masked_problems")]
+    if not flags or not any(any(f) for f in flags):
+        return None
+    return [any(col) for col in zip(*flags)]
+
+
 def gate_rewards(problem_ids: list[str], candidate: list[float], champion: list[float] | None,
-                 pcfg: PromoteConfig, champion_score: float | None = None) -> GateDecision:
-    """The gate on per-problem rewards of one suite: paired bootstrap on all, guards per family."""
+                 pcfg: PromoteConfig, champion_score: float | None = None,
+                 unscored: list[bool] | None = None) -> GateDecision:
+    """The gate on per-problem rewards of one suite: paired bootstrap on all, guards per family.
+
+    ``unscored`` (:func:`unscored_problems`): problems either side could not score are left out of
+    the comparison; their 0.0 in the reports is a missing value, not a wrong answer."""
+    if unscored:
+        keep = [i for i, gone in enumerate(unscored) if not gone]
+        if not keep:
+            return GateDecision(False, "no evaluation problem was scored (infrastructure failures on every sample)",
+                                0.0, champion_score, confidence=pcfg.confidence, margin=pcfg.margin)
+        problem_ids = [problem_ids[i] for i in keep]
+        candidate = [candidate[i] for i in keep]
+        champion = [champion[i] for i in keep] if champion is not None else None
     guards = champion is not None and pcfg.guard_tolerance < 1.0
     return decide_with_guards(
         candidate, champion, pcfg.margin,
@@ -131,7 +152,8 @@ def _decide(cfg: RunConfig, reg: Registry, cand: str, champ: str | None, evaluat
             raise ValueError(f"candidate and champion were evaluated on different problems "
                              f"({cand_rep.get('suite')} vs {champ_rep.get('suite')})")
         decision = gate_rewards(cand_rep["problem_ids"], cand_rep["rewards"],
-                                champ_rep["rewards"] if champ_rep else None, pcfg)
+                                champ_rep["rewards"] if champ_rep else None, pcfg,
+                                unscored=unscored_problems(cand_rep, champ_rep))
         if pcfg.no_regression and champ_rep is not None and cand_rep.get("suites"):
             decision = veto_regressions(decision, check_suite_regressions(
                 suite_rewards(cand_rep["suites"]), suite_rewards(champ_rep.get("suites") or {}), pcfg.confidence))

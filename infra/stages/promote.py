@@ -23,7 +23,7 @@ from infra.config import RunConfig
 from infra.registry import Registry
 from infra.stages.context import Cluster, RunContext
 from infra.stages.evaluate import run_suites, suite_report_key
-from infra.stages.gate import gate_rewards
+from infra.stages.gate import gate_rewards, unscored_problems
 from infra.storage import get_json
 
 
@@ -47,7 +47,8 @@ def gate_against_champion(cfg: RunConfig, reg: Registry, report: dict[str, Any])
     pcfg = cfg.promote
     champ = reg.alias(pcfg.alias)
     if champ is None:
-        return gate_rewards(report["problem_ids"], report["rewards"], None, pcfg), None
+        return gate_rewards(report["problem_ids"], report["rewards"], None, pcfg,
+                            unscored=unscored_problems(report)), None
     rep = champion_report(reg, champ.run_id)
     rewards = ([float(x) for x in rep["rewards"]]
                if rep.get("suite") == report["suite"] and rep.get("problem_ids") == report["problem_ids"] else None)
@@ -58,7 +59,8 @@ def gate_against_champion(cfg: RunConfig, reg: Registry, report: dict[str, Any])
             False, f"the champion (version {champ.version}) has no evaluation on suite {report['suite']} to compare "
             "with; `deltaloop gate VERSION` evaluates both on this run's suite",
             report["score"], None, confidence=pcfg.confidence, margin=pcfg.margin), champ.version
-    decision = gate_rewards(report["problem_ids"], report["rewards"], rewards, pcfg, champion_score=score)
+    decision = gate_rewards(report["problem_ids"], report["rewards"], rewards, pcfg, champion_score=score,
+                            unscored=unscored_problems(report, rep if rewards is not None else None))
     if pcfg.no_regression and report["suites"]:
         decision = veto_regressions(decision, check_suite_regressions(
             suite_rewards(report["suites"]), suite_rewards(rep.get("suites") or {}), pcfg.confidence))

@@ -85,3 +85,25 @@ def test_gate_report_markdown_has_numbers_and_reason() -> None:
     md = gate_report(d, "7", "3", "[MLflow run x](http://h/#/x)", suite="s")
     assert "PROMOTED" in md and "| main suite |" in md and "## Guard suites" in md and "**Reason:**" in md
     assert "CI95" in md and "http://h/#/x" in md
+
+
+def test_unscored_problems_are_left_out_not_counted_as_zero() -> None:
+    """Issue #16: a problem whose every eval sample was masked (infrastructure failure) reports 0.0;
+    the gate must compare the problems both sides scored, exactly as if the others were absent."""
+    from infra.stages.gate import unscored_problems
+
+    ids, champ = _suite(seed=3)
+    cand = [min(1.0, r + 0.5) for r in champ]
+    gone = [i % 7 == 0 for i in range(len(ids))]
+    cand_report = {"masked_problems": gone}
+    champ_report = {"masked_problems": [False] * len(ids)}
+    unscored = unscored_problems(cand_report, champ_report)
+    assert unscored == gone and unscored_problems(champ_report, None) is None
+    zeroed = [0.0 if g else c for c, g in zip(cand, gone)]  # what the report holds for them
+    pcfg = PromoteConfig(guard_tolerance=0.05)
+    kept = [i for i, g in enumerate(gone) if not g]
+    left_out = gate_rewards(ids, zeroed, champ, pcfg, unscored=unscored)
+    reduced = gate_rewards([ids[i] for i in kept], [cand[i] for i in kept], [champ[i] for i in kept], pcfg)
+    assert asdict(left_out) == asdict(reduced)
+    nothing = gate_rewards(ids, zeroed, champ, pcfg, unscored=[True] * len(ids))
+    assert not nothing.promote and "no evaluation problem was scored" in nothing.reason
