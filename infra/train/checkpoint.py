@@ -10,8 +10,14 @@ Layout under ``runs/<run>/checkpoints/step-<NNNNNN>/``::
 
 A checkpoint exists only once its manifest does (:func:`committed_steps`); a checkpoint whose
 manifest is missing is garbage left by a killed trainer and is ignored, then overwritten or
-collected. ``runs/<run>/checkpoints/latest.json`` is a pointer written after the manifest (a hint
-for humans and tools; readers trust manifests). Saving and restoring are collectives: every rank
+collected. Saving orders its writes so that a crash between any two of them leaves one complete
+checkpoint: every object, then the manifest (the commit), then a read-back that verifies the
+manifest (MAC, names) and the size of every object it lists; only after that does
+``runs/<run>/checkpoints/latest.json`` (a pointer for humans and tools; readers trust manifests)
+name the new step and are older checkpoints collected. A checkpoint that does not verify after
+saving is un-committed (its manifest deleted) and :class:`CheckpointError` names the object: the
+previous checkpoint stays the newest. With the file store every write is fsync-ed
+(:mod:`infra.atomicio`), so this also holds across a power loss. Saving and restoring are collectives: every rank
 calls :func:`save` / :func:`restore` with its own engine.
 
 Whoever can write the run's store must not be able to make the trainer run code or load state it
@@ -330,9 +336,30 @@ def save(store: ObjectStore, run_id: str, step: int, engine: "TrainEngine", meta
             "created": time.time(), "seconds": time.perf_counter() - t0}
     manifest = sign_manifest(body, key)
     put_json(store, f"{prefix}/{MANIFEST}", manifest)  # the commit
+    _verify_saved(store, run_id, step, key, world)  # before anything points at it or older ones go
     put_json(store, run_key(run_id, None, "checkpoints", "latest.json"), {"step": step})
     collect(store, run_id, keep)
     return {**manifest, "seconds": time.perf_counter() - t0}
+
+
+def _verify_saved(store: ObjectStore, run_id: str, step: int, key: bytes, world: int) -> None:
+    """Read the just-committed manifest of ``step`` back, verify it, and check that every object it
+    lists is in the store with the size it records (digests are checked on restore, which downloads
+    them anyway). On a failure the manifest is deleted, un-committing the step, and
+    :class:`CheckpointError` names the object."""
+    try:
+        objects = verify_manifest(read_manifest(store, run_id, step), key, run_id, step, world)
+        for name, (size, _digest) in sorted(objects.items()):
+            try:
+                got = store.size(name)
+            except ObjectNotFound:
+                raise CheckpointError(f"checkpoint object {name} is missing") from None
+            if got != size:
+                raise CheckpointError(f"checkpoint object {name} has {got} bytes, the manifest says {size}")
+    except CheckpointError as exc:
+        store.delete(f"{ckpt_dir(run_id, step)}/{MANIFEST}")
+        raise CheckpointError(f"checkpoint of step {step} did not verify after saving ({exc}): not made "
+                              "current; older checkpoints kept") from None
 
 
 def _fetch(store: ObjectStore, name: str, size: int, digest: str) -> bytes:
