@@ -151,7 +151,8 @@ class SandboxConfig(Strict):
         0.5,
         ge=0,
         le=600,
-        description="Wait before the first infrastructure retry of a job; doubled before each further one.",
+        description="Wait before the first infrastructure retry of a job; doubled before each further one "
+        "(at most 30 s a wait).",
     )
 
     @model_validator(mode="after")

@@ -59,6 +59,7 @@ Q = TypeVar("Q", VerifyRequest, TestsRequest)
 R = TypeVar("R", VerifyResult, TestsResult)
 _SAMPLES = 20000
 _EWMA = 0.05
+MAX_BACKOFF_S = 30.0  # longest wait before one infrastructure retry (the doubling stops there)
 
 
 class Runtime(Protocol):
@@ -268,12 +269,13 @@ class SandboxPool:
     def _run(self, job: dict[str, Any], t_submit: float) -> "dict[str, Any] | Failure":
         """Run a job: the runner's reply, or a :class:`Failure`. An attempt the infrastructure failed
         is retried on a fresh sandbox, ``infra_retries`` times at most, after a backoff that doubles
-        from ``infra_backoff_s``; when every attempt failed so, an ``infra`` failure."""
+        from ``infra_backoff_s`` (up to ``MAX_BACKOFF_S``); when every attempt failed so, an ``infra``
+        failure."""
         failure = Failure("infra", "pool closed", infra=True)
         made = 0
         for attempt in range(self.cfg.infra_retries + 1):
             if attempt:
-                if self._closing.wait(self.cfg.infra_backoff_s * 2 ** (attempt - 1)):
+                if self._closing.wait(min(MAX_BACKOFF_S, self.cfg.infra_backoff_s * 2 ** (attempt - 1))):
                     break  # closed while waiting: no sandbox will come
                 with self._m_lock:
                     self._infra_retries += 1
