@@ -24,11 +24,12 @@ from __future__ import annotations
 from bench.machine import cpu_model, load_avg
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from infra.atomicio import write_json_atomic
 
 SMOL_PROMPTS = [
     "The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
@@ -188,7 +189,7 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
         for batch, rounds in ((1, 3), (32, 2)):
             records.append(compare("smollm2-135m", model, tok, prompts, batch, rounds, max_new=32))
     result = {"hardware": hardware(), "engine": records, "async": async_section(quick)}
-    json_path.write_text(json.dumps(result, indent=1))
+    write_json_atomic(json_path, result, indent=1)
 
     console = Console()
     table = Table(title=f"rollout: local engine vs HF generate ({result['hardware']['cpu']}, "

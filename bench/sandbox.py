@@ -16,7 +16,6 @@ valid result, or whose reward differs from the expected one).
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -24,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+from infra.atomicio import write_json_atomic
 from infra.config import SandboxConfig
 from infra.sandbox import REASONS, SandboxError, TestCase, VerifyRequest, create_pool, create_runtime
 from infra.sandbox import protocol
@@ -138,7 +138,7 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
             records.append(bench_runtime(runtime, n_pool, n_naive))
         except SandboxError as exc:
             records.append({"runtime": runtime, "error": str(exc)})
-    json_path.write_text(json.dumps(records, indent=2))
+    write_json_atomic(json_path, records, indent=2)
     cols = ["runtime", "jobs", "lost", "pool_jobs_per_s", "naive_jobs_per_s", "speedup", "pool_p50_ms",
             "pool_p99_ms", "naive_p50_ms", "naive_p99_ms", "pool_overhead_p50_ms"]
     print("  ".join(f"{c:>14}" for c in cols))

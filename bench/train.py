@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infra.atomicio import write_json_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128",
          "model.tiny.num_heads=2"]
@@ -144,7 +146,7 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
         records.append(flow_overhead(quick, Path(tmp) / "flow"))
     for r in records:
         r["hardware"] = hw
-    json_path.write_text(json.dumps(records, indent=2))
+    write_json_atomic(json_path, records, indent=2)
     print(f"hardware: {hw}")
     print(f"{'kind':>10} {'engine':>9} {'zero':>4} {'ranks':>5} {'tokens/s':>10} {'step s':>8} {'overhead':>9}")
     for r in records:

@@ -32,7 +32,6 @@ bound (``docs/weightsync.md``, "Measured").
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -46,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from bench.machine import cpu_model, load_avg
+from infra.atomicio import write_json_atomic
 
 LRS = (1e-6, 3e-6, 1e-5)
 LINK_BYTES_PER_S = 50e6
@@ -438,5 +438,5 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
     for r in records:
         table.add_row(*[f.format(r[k]) for _n, k, f in cols])
     console.print(table)
-    json_path.write_text(json.dumps(records, indent=2))
+    write_json_atomic(json_path, records, indent=2)
     return records

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from infra.atomicio import write_json_atomic
 from infra.errors import DeltaloopError
 from infra.lifeline import PARENT_ENV, pid_alive
 
@@ -353,9 +354,7 @@ def file_probe(path: str) -> Callable[[], dict | None]:
 
 def report_ready(path: str, **info: object) -> None:
     """Child side of :func:`file_probe`: write ``info`` (e.g. the bound port) atomically to ``path``."""
-    tmp = Path(f"{path}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
+    write_json_atomic(path, info)
 
 
 def start_with_retry(what: str, start: Callable[[], T], cleanup: Callable[[], None], attempts: int = 2) -> T:

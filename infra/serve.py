@@ -34,7 +34,6 @@ it, the server is started again on a fresh port (twice at most).
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 import signal
@@ -47,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from infra.atomicio import write_atomic, write_json_atomic
 from infra.errors import DeltaloopError
 from infra.proc import (ServiceDied, ServiceProcess, ServiceSpec, bind_socket, describe_exit, free_port,
                         http_probe, port_in_use, spawn, wait_until)
@@ -196,7 +196,7 @@ class Stack:
             if self.auth:
                 self._check_mlflow_admin()
             template = self.state_dir / "process-pool.json"
-            template.write_text(json.dumps(LOCKED_PROCESS_TEMPLATE, indent=2))
+            write_json_atomic(template, LOCKED_PROCESS_TEMPLATE, indent=2)
             self._cli("work pool", [_bin("prefect"), "work-pool", "create", o.pool, "--type", "process",
                                     "--base-job-template", str(template), "--overwrite"])
             if o.deploy:
@@ -251,10 +251,9 @@ class Stack:
         assert self.auth is not None
         db = self.state_dir / "mlflow-auth.db"
         ini = self.state_dir / "mlflow-auth.ini"
-        ini.write_text("[mlflow]\ndefault_permission = READ\n"
-                       f"database_uri = sqlite:///{db}\nadmin_username = {self.auth[0]}\n"
-                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-        ini.chmod(0o600)
+        write_atomic(ini, "[mlflow]\ndefault_permission = READ\n"
+                     f"database_uri = sqlite:///{db}\nadmin_username = {self.auth[0]}\n"
+                     "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n", mode=0o600)
         if not db.exists():
             return
         from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
@@ -337,7 +336,7 @@ class Stack:
         pids = {k: p.pid for k, p in self.procs.items()}
         state = {"urls": self.urls, "pids": pids, "pool": self.opts.pool, "run_root": str(self.run_root),
                  "project_dir": str(self.project_dir), "logs": str(self.log_dir)}
-        (self.state_dir / "serve.json").write_text(json.dumps(state, indent=2))
+        write_json_atomic(self.state_dir / "serve.json", state, indent=2)  # readers never see half of it
 
     # ------------------------------------------------------------------------------ run / stop
     def dead(self) -> str | None:

@@ -25,6 +25,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from infra.atomicio import write_atomic
+
 from infra.config import (ClusterConfig, ModelConfig, RolloutConfig, RunConfig, TrainerConfig,
                           WarmstartConfig, WeightSyncConfig)
 
@@ -37,8 +39,7 @@ class _Spec(BaseModel):
 
     def write(self, path: Path) -> Path:
         """Write the spec as JSON to ``path`` (the file passed to the process as ``--spec``)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=1))
+        write_atomic(path, self.model_dump_json(indent=1))  # (a relaunch rewrites it)
         return path
 
     def to_env(self) -> dict[str, str]:

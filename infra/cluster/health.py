@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.atomicio import write_atomic
 from infra.cluster.base import ClusterError, ClusterProvider
 from infra.config import ClusterConfig, HealthConfig
 
@@ -212,10 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         if report is not None:
             text = report.to_json()
             try:
-                tmp = Path(args.out + ".tmp")
-                tmp.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(text)
-                tmp.rename(args.out)
+                write_atomic(args.out, text)
             except OSError as exc:  # the launcher still gets the report from the log line
                 print(f"health: cannot write {args.out}: {exc}", flush=True)
             print(MARKER + text, flush=True)

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from infra.atomicio import write_atomic
 from infra.config import RunConfig, dump_config
 from infra.storage import ObjectStore, open_store, run_key
 from infra.tracking import Tracker
@@ -88,10 +89,10 @@ def prepare_run(cfg: RunConfig, run_id: str | None = None) -> RunContext:
         tracker.attach(marker.read_text().strip())
     else:
         tracker.start(run_id, tags={"deltaloop.run_id": run_id, "deltaloop.config_hash": cfg.config_hash()})
-        marker.write_text(tracker.run_id or "")
+        write_atomic(marker, tracker.run_id or "")
         tracker.log_params(cfg.model_dump(mode="json"))
         tracker.log_text(dump_config(cfg), "config.yaml")
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    write_atomic(run_dir / "config.yaml", dump_config(cfg))
     return RunContext(cfg=cfg, run_id=run_id, run_dir=run_dir, store=store, tracker=tracker)
 
 

@@ -3,11 +3,11 @@ human summary; and the per-step record that feeds them."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from infra.atomicio import write_json_atomic
 from infra.ops.plots import plot_curves
 from infra.stages.context import RunContext
 
@@ -83,7 +83,7 @@ def write_summary(ctx: RunContext, summary: dict[str, Any]) -> Path:
     """Write ``summary`` (from :func:`build_summary`) as ``summary.json`` and the curves PNG to the run
     folder, log both to MLflow, return the summary path."""
     path = ctx.run_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2, default=str))
+    write_json_atomic(path, summary, indent=2, default=str)  # a crash mid-write keeps the previous one
     png = plot_curves(summary["history"], ctx.run_dir / "curves.png")
     ctx.tracker.log_artifact(path)
     ctx.tracker.log_artifact(png, "plots")
