@@ -1,7 +1,8 @@
 """Benchmarks run by ``deltaloop bench NAME --json PATH``.
 
 Each benchmark is a module ``bench/<name>.py`` with ``run(json_path: Path, quick: bool) -> object``
-that prints a table and writes its JSON result to ``json_path``. :data:`BENCHMARKS` names them
+that prints a table and writes its JSON result to ``json_path``; one that takes a seed also accepts
+``seed: int`` (``--seed``). :data:`BENCHMARKS` names them
 (``module:run``, imported only when chosen); add new ones there.
 """
 
@@ -14,4 +15,5 @@ BENCHMARKS: Registry[object] = Registry("benchmark", {
     "sandbox": "bench.sandbox:run",
     "rollout": "bench.rollout:run",
     "train": "bench.train:run",
+    "chaos": "bench.chaos:run",
 })

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import typer
@@ -12,9 +13,10 @@ def register(app: typer.Typer) -> None:
 
     @app.command("bench")
     def bench(
-        name: str = typer.Argument(..., help="Benchmark name: weightsync, sandbox, rollout, train."),
+        name: str = typer.Argument(..., help="Benchmark name: weightsync, sandbox, rollout, train, chaos."),
         json_path: Path = typer.Option(Path("bench.json"), "--json", help="Where to write the JSON result."),
         quick: bool = typer.Option(False, "--quick", help="A smaller, faster run (smoke test)."),
+        seed: int | None = typer.Option(None, "--seed", help="Seed of a benchmark that takes one (chaos)."),
     ) -> None:
         """Run benchmark NAME; print a table and write JSON to --json."""
         from bench import BENCHMARKS
@@ -24,6 +26,12 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2)
+        kwargs: dict[str, int] = {}
+        if seed is not None:
+            if "seed" not in inspect.signature(run_bench).parameters:
+                typer.echo(f"benchmark {name!r} takes no --seed", err=True)
+                raise typer.Exit(2)
+            kwargs["seed"] = seed
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        run_bench(json_path, quick)
+        run_bench(json_path, quick, **kwargs)
         typer.echo(str(json_path))
