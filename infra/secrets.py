@@ -26,6 +26,7 @@ import os
 import secrets
 from pathlib import Path
 
+from infra.atomicio import fsync_dir
 from infra.errors import DeltaloopError
 
 SECRET_ENV = "DELTALOOP_RUN_SECRET"
@@ -75,6 +76,7 @@ def run_secret(run_dir: str | Path | None = None) -> bytes:
             pass
         finally:
             tmp.unlink()
+        fsync_dir(path.parent)  # the key's name is on disk before anything is signed with it
     return _parse(path.read_text(), str(path))
 
 
