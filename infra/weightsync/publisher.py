@@ -34,7 +34,7 @@ import numpy as np
 from infra.gcpause import deferred_gc
 from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
-from infra.weightsync.errors import IncompatibleTensors, WeightSyncError
+from infra.weightsync.errors import IncompatibleTensors, VersionNotFound, WeightSyncError
 from infra.weightsync.gc import collect
 from infra.weightsync.hotwords import HotWords
 from infra.weightsync.layout import (
@@ -208,6 +208,29 @@ class VersionPublisher:
         """
         with deferred_gc():
             return self._publish_version(tensors, files, meta, keyframe)
+
+    def republish(self, tensors: dict[str, "torch.Tensor"], *, files: dict[str, bytes] | None = None,
+                  meta: dict[str, Any] | None = None) -> PublishInfo:
+        """Write the newest version again, as a keyframe of ``tensors``, after a reader found one of
+        its objects corrupt or missing.
+
+        ``tensors`` must be the weights that version holds (the trainer republishes while it still
+        holds them). The version number stays, so a run's step -> version mapping and the versions
+        its checkpoints record are unchanged. The manifest is deleted first (the version is
+        uncommitted while it is rewritten: a reader sees it as not yet published, never half
+        rewritten), then every object of the version; the keyframe is written with its manifest
+        last. The next version is a delta on it.
+        """
+        if self.version < 1:
+            raise VersionNotFound("nothing was published, so nothing can be republished", version=None)
+        v = self.version
+        self.store.delete(manifest_key(self.prefix, v))
+        for key in self.store.list(version_dir(self.prefix, v) + "/"):
+            self.store.delete(key)
+        self.version = v - 1
+        self._base, self._sig, self._digests = None, [], {}
+        self._hot.clear()
+        return self.publish(tensors, files=files, meta=meta, keyframe=True)
 
     def _publish_version(
         self,

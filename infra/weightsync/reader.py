@@ -145,7 +145,8 @@ class VersionReader:
         return committed[-1] if committed else None
 
     def manifest(self, version: int) -> Manifest:
-        """The manifest of a committed version (cached: manifests are immutable)."""
+        """The manifest of a committed version (cached; a version a fetch failed on is dropped from the
+        cache, since it may be republished)."""
         man = self._manifests.get(version)
         if man is None:
             key = manifest_key(self.prefix, version)
@@ -287,6 +288,7 @@ class VersionReader:
                                 f"keyframe {key}", goal_v, exc)
                     self.last_errors.append(exc)
                     _bad_parts(bad, exc)
+                    self._forget(goal_v, exc.version)
                     if key is None and (inplace or isinstance(exc, WrongBase)):
                         have_ok = False  # patched (or not the version claimed): not a base any more
                     continue
@@ -297,6 +299,14 @@ class VersionReader:
         if self.last_errors:
             raise self.last_errors[0]
         raise VersionNotFound("no keyframe at or below it and no usable base", version=goal)
+
+    def _forget(self, *versions: int | None) -> None:
+        """Drop the cached manifests of versions a fetch failed on: a version repaired by
+        :meth:`~infra.weightsync.publisher.VersionPublisher.republish` has a new manifest under the
+        same number."""
+        for v in versions:
+            if v is not None:
+                self._manifests.pop(int(v), None)
 
     def _fetch_next(
         self,
@@ -327,6 +337,7 @@ class VersionReader:
             log.warning("weight fetch path have -> %d failed: %s", goal1, exc)
             self.last_errors.append(exc)
             _bad_parts(bad, exc)
+            self._forget(goal1, exc.version)
             return None, not inplace and not isinstance(exc, WrongBase)
         if self._newer_committed(probe):
             # the store moved on while this version was applied (or the probe failed): list, and
