@@ -10,6 +10,8 @@
 - :class:`ControlRefused`: the worker refused a control call (``/v1/load``, ``/v1/rollout``): no or a
   wrong token, a store key outside the run's rollout prefixes, a version that does not exist (404),
   a version older than the one it serves (409). Not retryable.
+- :class:`WeightsNotApplied`: the worker could not fetch a weight version for a reason a later try
+  may not meet (the store unreachable) and still serves the one it had. Retryable.
 """
 
 from __future__ import annotations
@@ -37,4 +39,11 @@ class ControlRefused(RolloutError):
         self.status = status
 
 
-__all__ = ["BadRequest", "ControlRefused", "RequestFailed", "RolloutError"]
+class WeightsNotApplied(RolloutError):
+    """The worker could not fetch a weight version (the store did not answer) and still serves the
+    version it had; a later try may succeed."""
+
+    retryable = True
+
+
+__all__ = ["BadRequest", "ControlRefused", "RequestFailed", "RolloutError", "WeightsNotApplied"]

@@ -117,12 +117,23 @@ def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
 
 
 def sync_weights(ctx: RunContext, cluster: Cluster, version: int) -> dict[str, Any]:
-    """Make the rollout worker serve ``version`` (pulled from the store and applied in place)."""
-    from infra.rollout.errors import RolloutError
+    """Make the rollout worker serve ``version`` (pulled from the store and applied in place).
+
+    A worker that cannot apply it keeps serving the version it had. When an object of the version
+    is corrupt or missing (not retryable), the trainer, which still holds these weights, writes the
+    version again as a keyframe (``republish``) and the worker loads it once more; a store that did
+    not answer raises :class:`~infra.rollout.errors.WeightsNotApplied` (retryable: the task retries)."""
+    from infra.rollout.errors import RolloutError, WeightsNotApplied
 
     res = cluster.rollout.load(version)
+    if int(res["version"]) != version and res.get("applied") is False and not res.get("retryable"):
+        ctx.report(f"weight version {version} could not be applied ({res.get('error', 'no reason given')}); "
+                   "the trainer writes it again as a keyframe")
+        repaired = cluster.trainer.call("republish", version=version)
+        res = {**cluster.rollout.load(version), "republished": repaired}
     if int(res["version"]) != version:  # it could not apply it and serves the version it had
-        raise RolloutError(f"rollout worker still serves version {res['version']}, not {version}: "
-                           f"{res.get('error', 'no reason given')}")
+        error = WeightsNotApplied if res.get("retryable") else RolloutError
+        raise error(f"rollout worker still serves version {res['version']}, not {version}: "
+                    f"{res.get('error', 'no reason given')}")
     cluster.version = version
     return res

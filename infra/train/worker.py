@@ -38,6 +38,7 @@ from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
 
 if TYPE_CHECKING:
     from infra.train.grpo import BatchPlan
+    from infra.weightsync import VersionPublisher
 
 
 class StepOrderError(DeltaloopError):
@@ -155,19 +156,11 @@ class Trainer:
 
         If that version is already committed (a replay after a restart), it is not written again: the
         replayed weights are bit-identical to the ones published before the failure."""
-        from infra.weightsync import VersionPublisher
-
         t0 = time.perf_counter()
         target = self.weights_version + 1
         exists = [False]
         if self.rank == 0:
-            if self.publisher is None:  # continues after the newest committed version in the store
-                ws = self.cfg.weight_sync
-                self.publisher = VersionPublisher(
-                    self.store, run_key(self.run_id, None, "weights"), keyframe_every=ws.keyframe_every,
-                    codec=ws.codec, zstd_level=ws.zstd_level, threads=ws.threads,
-                )
-            exists[0] = target <= self.publisher.version
+            exists[0] = target <= self._open_publisher().version
         if self.world > 1:
             dist.broadcast_object_list(exists, src=0)
         self.weights_version = target
@@ -187,9 +180,40 @@ class Trainer:
         out["changed_fraction"] = getattr(info, "changed_fraction", None)
         return out
 
+    def _open_publisher(self) -> "VersionPublisher":
+        """Rank 0's publisher, made on first use: it continues after the newest committed version."""
+        from infra.weightsync import VersionPublisher
+
+        if self.publisher is None:
+            ws = self.cfg.weight_sync
+            self.publisher = VersionPublisher(
+                self.store, run_key(self.run_id, None, "weights"), keyframe_every=ws.keyframe_every,
+                codec=ws.codec, zstd_level=ws.zstd_level, threads=ws.threads,
+            )
+        return self.publisher
+
     def op_publish(self) -> dict[str, Any]:
         """Publish the current weights as the next version (rank 0 writes; others take part in gathers)."""
         return self._publish_next()
+
+    def op_republish(self, version: int) -> dict[str, Any]:
+        """Collective: write weight version ``version`` again, as a keyframe of the current weights,
+        after a reader found one of its objects corrupt or missing. Only the version these weights
+        are (the newest: the flow asks right after the step that published it)."""
+        if version != self.weights_version:
+            raise ValueError(f"cannot republish weight version {version}: the trainer holds version "
+                             f"{self.weights_version}")
+        t0 = time.perf_counter()
+        tensors = self._publishable()
+        if self.rank != 0:
+            return {}
+        assert tensors is not None
+        publisher = self._open_publisher()
+        if publisher.version != version:
+            raise ValueError(f"cannot republish weight version {version}: the newest published is {publisher.version}")
+        info = publisher.republish(tensors)
+        return {"version": info.version, "kind": info.kind, "bytes_written": info.bytes_written,
+                "seconds": time.perf_counter() - t0}
 
     # ---------------------------------------------------------------------------- checkpoints
     def op_checkpoint(self, step: int) -> dict[str, Any]:
