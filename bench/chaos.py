@@ -158,7 +158,8 @@ def build_record(mode: str, seed: int, steps: int, log: FlowLog, measured: dict[
     record = {"mode": mode, "seed": seed, "steps_configured": steps,
               "faults": [{"kind": f["kind"], "step": f["step"], "action": f["action"], "t": f.get("t")}
                          for f in log.faults],
-              "faults_injected": sum(1 for f in log.faults if not f["action"].startswith("not injected")),
+              "injected_by_kind": {k: sum(1 for f in log.faults if f["kind"] == k and not f["action"].startswith(
+                  ("not injected", "no "))) for k in KINDS},
               **measured,
               "completed": log.finished, "timed_out": log.timed_out, "flow_failures": log.failures,
               "planned_resumes": log.resumes, "unplanned_resumes": log.unplanned_resumes,

@@ -173,7 +173,8 @@ def test_record_has_the_issue_fields() -> None:
     rec = build_record("sync", 0, 6, log, measured, {})
     assert set(REQUIRED) <= set(rec)
     assert rec["faults"][0] == {"kind": "flow", "step": 3, "action": "kill -9 of flow process pid 1", "t": 1.0}
-    assert rec["faults_injected"] == 1 and rec["completed"] is True
+    assert rec["injected_by_kind"]["flow"] == 1 and rec["injected_by_kind"]["s3_restart"] == 0
+    assert rec["completed"] is True
     json.dumps(rec)
     with pytest.raises(ValueError, match="prompt_ids_match"):
         build_record("sync", 0, 6, log, {**measured, "prompt_ids_match": None}, {})
