@@ -34,7 +34,6 @@ resumed (at most 3 times) and each such death is listed under ``flow_failures``.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -44,6 +43,7 @@ from typing import Any
 from bench.chaos_driver import TRIGGER_ORDER, ChaosRun, Fault, FlowLog
 from bench.chaos_s3 import DurableS3
 from bench.machine import cpu_model, load_avg
+from infra.atomicio import write_json_atomic
 
 KINDS = ("sandbox_bwrap", "sandbox_docker", "rollout_worker", "trainer_rank", "flow", "s3_restart",
          "corrupt_weight")
@@ -218,7 +218,7 @@ def run(json_path: Path, quick: bool, seed: int = 0) -> list[dict[str, Any]]:
     records = []
     for mode in ("sync", "async"):
         records.append({**run_mode(work / mode, mode, cfg, seed), "quick": quick, "hardware": hardware})
-        json_path.write_text(json.dumps(records, indent=2, default=str))
+        write_json_atomic(json_path, records, indent=2, default=str)
     _table(records)
     return records
 

@@ -183,7 +183,7 @@ class ChaosRun:
     def _last_error(self) -> str:
         path = self.folder / f"flow-{len(self.flow_pids)}.log"
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()] if path.exists() else []
-        errors = [ln for ln in lines if ln.startswith("error:") or "Error" in ln]
+        errors = [ln for ln in lines if ln.startswith("error:")] or [ln for ln in lines if "Error" in ln]
         return (errors or lines or ["(empty log)"])[-1][:400]
 
     def handle_exit(self) -> bool:
