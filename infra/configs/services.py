@@ -29,6 +29,10 @@ class RolloutConfig(Strict):
         0.5, gt=0.0, le=0.98, description="vllm: fraction of GPU memory vLLM may take (the trainer shares the GPU)."
     )
     start_timeout_s: float = Field(120.0, gt=0, le=3600, description="Max wait for the worker.")
+    max_restarts: int = Field(
+        3, ge=0, le=1000,
+        description="Times a run replaces a dead rollout worker (same weight version, the call sent again) before failing.",
+    )
     max_body_bytes: int = Field(
         4 << 20, ge=1024, le=1 << 30, description="Largest HTTP request body the worker reads (413 above)."
     )

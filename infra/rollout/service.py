@@ -9,6 +9,15 @@ that port. A worker that does not come up is started once more, then provision f
 :meth:`RolloutService.rollout`; :meth:`RolloutService.close` stops the process tree, and the worker
 also exits by itself when the flow process disappears.
 
+A worker that dies (killed, out of memory, its host lost) is replaced by the next control call that
+finds it gone: :meth:`RolloutService.restart` starts a fresh process, loads the weight version the
+dead one served (never an older or newer one), and the call is sent again as it was — a rollout
+batch with the same prompts, seeds and keys, so its samples are the ones the dead worker would have
+written (sampling is seeded per row, :func:`infra.rollout.local.row_seed`). Restarts are counted
+per run and bounded by ``rollout.max_restarts``; past it the call fails with
+:class:`RolloutRestartsExhausted` (not retryable). A worker that is alive but did not answer is not
+restarted: that call fails with :class:`~infra.proc.ServiceDied` (retryable).
+
 The worker gets only its control token in its environment (:func:`infra.rollout.guard.token_env`:
 never the run secret); the control calls send it (``Authorization: Bearer``). A refused call raises
 :class:`~infra.rollout.errors.ControlRefused`, any other non-200 answer
@@ -17,12 +26,15 @@ never the run secret); the control calls send it (``Authorization: Bearer``). A 
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from infra.config import RunConfig
-from infra.proc import ServiceDied, ServiceSpec, describe_exit, http_probe, start_with_retry, tail, wait_until
+from infra.proc import (ServiceDied, ServiceSpec, describe_exit, http_probe, start_with_retry, summarize, tail,
+                        wait_until)
 from infra.rollout.errors import ControlRefused, RolloutError
 from infra.rollout.guard import control_token, token_env
 from infra.rpc import address_probe
@@ -30,12 +42,22 @@ from infra.secrets import run_secret
 from infra.specs import RolloutSpec
 from infra.storage import ObjectStore, run_key
 
+log = logging.getLogger(__name__)
+
+
+class RolloutRestartsExhausted(ServiceDied):
+    """The rollout worker died more often than ``rollout.max_restarts`` allows (no more retries)."""
+
+    retryable = False
+
 
 class RolloutService:
-    """One rollout worker process, reached over HTTP at :attr:`url`."""
+    """One rollout worker process, reached over HTTP at :attr:`url`; replaced when it dies.
+
+    ``report`` receives one line per restart (the flow passes its progress printer)."""
 
     def __init__(self, cfg: RunConfig, run_id: str, store: ObjectStore, run_dir: Path,
-                 init_dir: str | None = None) -> None:
+                 init_dir: str | None = None, report: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.run_id = run_id
         self.store = store
@@ -47,6 +69,12 @@ class RolloutService:
         self._handle: Any = None  # infra.cluster.base.ServiceHandle
         self._started = 0.0
         self._log = str(self.run_dir / "logs" / "rollout.log")
+        self.report: Callable[[str], None] = report or log.warning
+        self.restarts = 0  # workers replaced in this run
+        self.served: int | None = None  # weight version the worker serves (what a replacement loads)
+        self._generation = 0  # bumped per replacement: a caller that saw an older one finds it replaced
+        self._restart_lock = threading.Lock()
+        self._closed = False
 
     @property
     def url(self) -> str:
@@ -98,6 +126,11 @@ class RolloutService:
         wait_until(http_probe(self.url + "/health"), max(1.0, deadline - time.monotonic()), self.dead_reason,
                    "rollout worker")
 
+    @property
+    def pid(self) -> int | None:
+        """Pid of the worker process when it runs on this host (None when not started or remote)."""
+        return getattr(self._handle, "pid", None)
+
     def dead_reason(self) -> str | None:
         """None while running; else how it ended and the end of its log."""
         if self._handle is None:
@@ -127,15 +160,73 @@ class RolloutService:
             raise RolloutError(message)
         return resp.json()
 
+    def _gone(self, grace_s: float = 2.0) -> bool:
+        """True if the worker process has exited. A killed process closes its sockets moments before
+        it can be reaped, so a broken connection waits up to ``grace_s`` for the exit to show."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            if self._handle is None or self._handle.poll() is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def _control(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a control call; if the worker died, replace it (:meth:`restart`) and send it again."""
+        while True:
+            generation = self._generation
+            try:
+                return self._post(path, body)
+            except ServiceDied as exc:
+                if self._closed or not self._gone():
+                    raise
+                self.restart(str(exc), generation)
+
+    def restart(self, reason: str, generation: int | None = None) -> None:
+        """Replace a dead worker: a fresh process that serves the version the dead one served.
+
+        ``generation``: the replacement count the caller saw before its call failed; if another
+        caller has replaced the worker since, nothing is done. Raises
+        :class:`RolloutRestartsExhausted` once ``rollout.max_restarts`` replacements were made."""
+        with self._restart_lock:
+            if generation is not None and generation != self._generation:
+                return
+            while True:
+                limit = self.cfg.rollout.max_restarts
+                if self.restarts >= limit:
+                    raise RolloutRestartsExhausted(
+                        f"rollout worker died again after {self.restarts} restart(s) (rollout.max_restarts={limit}): "
+                        f"{summarize(reason)}")
+                self.restarts += 1
+                self.report(f"rollout worker died ({summarize(reason)}); restart {self.restarts}/{limit}"
+                            + (f" with weights v{self.served}" if self.served is not None else ""))
+                self._stop()
+                self.store.delete(self.address_key)  # only the new worker's address may be read
+                self.launch()
+                self.wait_ready()
+                self._generation += 1
+                if self.served is None:
+                    return
+                try:
+                    self._post("/v1/load", {"version": self.served})
+                    return
+                except ServiceDied as exc:
+                    if not self._gone():
+                        raise
+                    reason = str(exc)
+
     def load(self, version: int | None = None) -> dict[str, Any]:
         """Make the worker serve ``version`` (None = newest published)."""
-        return self._post("/v1/load", {"version": version})
+        res = self._control("/v1/load", {"version": version})
+        self.served = int(res["version"])
+        return res
 
     def rollout(self, prompts_key: str, out_key: str, n: int, temperature: float, max_new_tokens: int,
                 seed: int) -> dict[str, Any]:
         """Generate ``n`` samples per prompt; the rollouts land at ``out_key`` in the store."""
-        return self._post("/v1/rollout", {"prompts_key": prompts_key, "out_key": out_key, "n": n,
-                                          "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed})
+        return self._control("/v1/rollout", {"prompts_key": prompts_key, "out_key": out_key, "n": n,
+                                             "temperature": temperature, "max_new_tokens": max_new_tokens,
+                                             "seed": seed})
 
     def version(self) -> int:
         """Version the worker serves now."""
@@ -149,5 +240,6 @@ class RolloutService:
             self._handle = None
 
     def close(self) -> None:
-        """Stop the worker's process tree. Idempotent."""
+        """Stop the worker's process tree (and replace it no more). Idempotent."""
+        self._closed = True
         self._stop()

@@ -18,20 +18,31 @@ from infra.storage import get_json, put_json
 
 
 def rollout_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
-    """Draw fresh training items for ``step`` and sample ``group_size`` completions per prompt."""
+    """Draw fresh training items for ``step`` and sample ``group_size`` completions per prompt.
+
+    A stored batch (``rollouts.json``, one object written whole) is returned as it is: a batch
+    generated before a crash is trained after ``--resume``, not generated again. Scores without
+    their rollouts (a crash between the two deletes of a dropped batch) are deleted before the batch
+    is generated, so they can never pass for the new batch's. The seed is a function of (run seed,
+    step) and sampling is seeded per row, so a batch generated again — after the flow or the rollout
+    worker died mid-batch — has the samples the lost one would have had. A dead worker is replaced
+    by the rollout service itself (:meth:`~infra.rollout.service.RolloutService.restart`);
+    ``worker_restarts`` counts the run's replacements so far."""
     cfg = ctx.cfg
     out_key = ctx.key(step, "rollouts.json")
+    prompts_key = ctx.key(step, "prompts.json")
     if ctx.store.exists(out_key):
         meta = get_json(ctx.store, out_key)
         return {"key": out_key, "version": meta["version"], "tokens": meta.get("tokens", 0),
-                "seconds": meta.get("seconds", 0.0), "cached": True}
+                "seconds": meta.get("seconds", 0.0), "cached": True, "prompts_key": prompts_key,
+                "worker_restarts": int(getattr(cluster.rollout, "restarts", 0))}
+    ctx.store.delete(ctx.key(step, "scores.json"))
     env = cached_environment(cfg.env)
     items = env.train_items(step, cfg.trainer.prompts_per_step)
-    prompts_key = ctx.key(step, "prompts.json")
     put_json(ctx.store, prompts_key, prompt_batch(cfg.env, env, items))
     res = cluster.rollout.rollout(prompts_key, out_key, cfg.trainer.group_size, cfg.rollout.temperature,
                                   cfg.rollout.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
-    return {**res, "prompts_key": prompts_key}
+    return {**res, "prompts_key": prompts_key, "worker_restarts": int(getattr(cluster.rollout, "restarts", 0))}
 
 
 def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
@@ -85,12 +96,17 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
 
 def _train_call(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     return cluster.trainer.call(
-        "train_step", step=step, rollouts_key=ctx.key(step, "rollouts.json"), scores_key=ctx.key(step, "scores.json")
+        "train_step", step=step, rollouts_key=ctx.key(step, "rollouts.json"), scores_key=ctx.key(step, "scores.json"),
+        prompts_key=ctx.key(step, "prompts.json"),
     )
 
 
 def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     """One GRPO update on the scored batch of ``step``; the trainer publishes the next version.
+
+    The trainer's record of the step (``train.json``) names what it trained: the prompt ids of the
+    batch, the weight version that generated it and a digest of its samples and scores
+    (:func:`infra.train.worker.batch_record`), so runs can be compared step by step.
 
     If the trainer group dies (:class:`~infra.rpc.ServiceDied`: a rank was killed, a host lost), it
     is restarted from its newest checkpoint and the steps between that checkpoint and ``step`` are

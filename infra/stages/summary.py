@@ -43,6 +43,7 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
         "masked_samples": sum(h.get("masked_samples") or 0 for h in steps),
         "masked_groups_dropped": sum(h.get("masked_groups_dropped") or 0 for h in steps),
         "sandbox_retries": sum(h.get("sandbox_retries") or 0 for h in steps),
+        "rollout_worker_restarts": max((h.get("rollout_worker_restarts") or 0 for h in steps), default=0),
         "history": ctx.history,
     }
 
@@ -143,6 +144,7 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
         "masked_samples": score.get("masked_samples", 0), "infra_failure_rate": score.get("infra_failure_rate", 0.0),
         "sandbox_retries": score.get("sandbox_retries", 0),
         "masked_groups_dropped": m.get("masked_groups_dropped", 0), "loss_tokens": m.get("loss_tokens"),
+        "rollout_worker_restarts": roll.get("worker_restarts", 0),  # dead rollout workers replaced so far
         "orchestration_overhead_fraction": max(0.0, wall - stage_seconds) / wall if wall > 0 else None,
     }
     ctx.history.append(row)

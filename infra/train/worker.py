@@ -22,6 +22,8 @@ Every ``trainer.checkpoint_every`` steps the full state goes to the object store
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import time
 import traceback
@@ -45,6 +47,18 @@ class StepOrderError(DeltaloopError):
     """``train_step`` was asked for a step beyond the next one (earlier steps must be replayed first)."""
 
     retryable = False
+
+
+def batch_record(rollouts: dict[str, Any], scores: dict[str, Any], prompts: dict[str, Any] | None) -> dict[str, Any]:
+    """What a step trained, to compare runs step by step (a resumed or disturbed run against an
+    undisturbed one): ``prompt_ids`` (the ids of the batch's items, in order; None without the
+    prompt batch), ``rollout_version`` (the weight version that generated the batch) and
+    ``batch_sha256`` (a digest of every sample's prompt index and token ids, the rewards and the mask)."""
+    body = {"samples": [[s["prompt_index"], s["token_ids"]] for s in rollouts["samples"]],
+            "rewards": scores["rewards"], "masked": scores.get("masked")}
+    ids = [str(item["id"]) for item in prompts["items"]] if prompts and "items" in prompts else None
+    return {"prompt_ids": ids, "rollout_version": int(rollouts.get("version", 0)),
+            "batch_sha256": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
 
 
 class Trainer:
@@ -248,8 +262,12 @@ class Trainer:
         return {"step": self.step, "weights_version": self.weights_version}
 
     # ------------------------------------------------------------------------------ train step
-    def op_train_step(self, step: int, rollouts_key: str, scores_key: str) -> dict[str, Any]:
+    def op_train_step(self, step: int, rollouts_key: str, scores_key: str,
+                      prompts_key: str | None = None) -> dict[str, Any]:
         """One GRPO update from a scored rollout batch, publish the new version, checkpoint every K.
+
+        The step's record (``train.json``, written once, before the checkpoint) says what was trained:
+        :func:`batch_record` of the batch, with the prompt ids from ``prompts_key`` when given.
 
         Samples the scores mark ``masked`` (not scorable: sandbox infrastructure failures) are left out
         of their group's advantages, of the loss and of its token normaliser; a group with fewer than
@@ -292,6 +310,7 @@ class Trainer:
                                 "masked_samples": float(plan.masked),
                                 "masked_groups_dropped": float(plan.groups_dropped)},
                     "publish": publish,
+                    **batch_record(rollouts, scores, get_json(self.store, prompts_key) if prompts_key else None),
                 }
                 put_json(self.store, done_key, result)  # before the checkpoint: a restored step has its record
         tcfg = self.cfg.trainer
