@@ -4,6 +4,11 @@ Each bracketed step is the loop train step → sync weights → rollout batch �
 entered at the rollout: version 1 (the warm-started policy) is already served after provision, so
 no rollout is wasted after the last update. Services are torn down in ``finally``, on success,
 failure or cancellation.
+
+``resume`` re-enters the same loop: every stage returns its stored output, the trainer replays from
+its checkpoint, and batches a crash left generated but untrained (async mode) are trained as they
+were stored (:mod:`infra.stages.staleness`), so each step trains the prompts and samples an
+uninterrupted run trains (``train.json`` of each step records them).
 """
 
 from __future__ import annotations
