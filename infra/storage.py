@@ -21,13 +21,16 @@ import io
 import json
 import os
 import threading
+import time
 from pathlib import Path
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlparse
 
 from infra.atomicio import is_temp_name, remove_stale_temps, write_atomic
 from infra.backends import Registry
 from infra.errors import DeltaloopError
+
+T = TypeVar("T")
 
 
 class StorageError(DeltaloopError):
@@ -149,7 +152,12 @@ class FileStore:
 
 
 class S3Store:
-    """Objects in an S3 bucket under a prefix, through boto3."""
+    """Objects in an S3 bucket under a prefix, through boto3.
+
+    An endpoint that cannot be reached (a restarting server, a dropped connection, a timeout) is
+    retried with backoff for up to ``outage_s`` seconds (:meth:`_call`) on top of boto3's own quick
+    retries, so a storage server that restarts does not fail the stage that was talking to it; past
+    that the failure is a :class:`StorageError` (retryable: the task is tried again)."""
 
     def __init__(
         self,
@@ -157,6 +165,7 @@ class S3Store:
         endpoint_url: str | None = None,
         region: str | None = None,
         multipart_threshold: int = 64 << 20,
+        outage_s: float = 60.0,
     ) -> None:
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -177,6 +186,26 @@ class S3Store:
         )
         self._transfer = TransferConfig(multipart_threshold=multipart_threshold, max_concurrency=8)
         self._lock = threading.Lock()
+        self.outage_s = outage_s
+
+    def _call(self, key: str, request: Callable[[], T]) -> T:
+        """Run one request; unreachable-endpoint errors are retried (0.25 s doubling to 4 s) until
+        ``outage_s`` has passed, every other error is translated at once (:meth:`_err`)."""
+        from botocore.exceptions import ConnectionError as EndpointDown
+        from botocore.exceptions import HTTPClientError
+
+        deadline = time.monotonic() + self.outage_s
+        delay = 0.25
+        while True:
+            try:
+                return request()
+            except (EndpointDown, HTTPClientError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise self._err(exc, key) from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 4.0)
+            except Exception as exc:  # translate to our typed errors
+                raise self._err(exc, key) from exc
 
     def _k(self, key: str) -> str:
         _check_key(key)
@@ -194,46 +223,34 @@ class S3Store:
         return StorageError(f"{self.uri}/{key}: {exc}")
 
     def put(self, key: str, data: bytes) -> None:
-        try:
+        def request() -> None:
             if len(data) >= self._transfer.multipart_threshold:
                 self._client.upload_fileobj(io.BytesIO(data), self.bucket, self._k(key), Config=self._transfer)
             else:
                 self._client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
-        except Exception as exc:  # translate to our typed errors
-            raise self._err(exc, key) from exc
+
+        self._call(key, request)
 
     def get(self, key: str) -> bytes:
-        try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
-        except Exception as exc:
-            raise self._err(exc, key) from exc
+        return self._call(key, lambda: self._client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read())
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        try:
-            resp = self._client.get_object(
-                Bucket=self.bucket, Key=self._k(key), Range=f"bytes={start}-{start + length - 1}"
-            )
-            return resp["Body"].read()
-        except Exception as exc:
-            raise self._err(exc, key) from exc
+        rng = f"bytes={start}-{start + length - 1}"
+        return self._call(key, lambda: self._client.get_object(Bucket=self.bucket, Key=self._k(key),
+                                                               Range=rng)["Body"].read())
 
     def exists(self, key: str) -> bool:
         try:
-            self._client.head_object(Bucket=self.bucket, Key=self._k(key))
+            self._call(key, lambda: self._client.head_object(Bucket=self.bucket, Key=self._k(key)))
             return True
-        except Exception as exc:
-            err = self._err(exc, key)
-            if isinstance(err, ObjectNotFound):
-                return False
-            raise err from exc
+        except ObjectNotFound:
+            return False
 
     def size(self, key: str) -> int:
-        try:
-            return int(self._client.head_object(Bucket=self.bucket, Key=self._k(key))["ContentLength"])
-        except Exception as exc:
-            raise self._err(exc, key) from exc
+        head = self._call(key, lambda: self._client.head_object(Bucket=self.bucket, Key=self._k(key)))
+        return int(head["ContentLength"])
 
     def list(self, prefix: str = "") -> list[str]:
         if prefix.startswith("/") or ".." in prefix.split("/"):
@@ -241,19 +258,17 @@ class S3Store:
         base = self.prefix + "/" if self.prefix else ""
         full = base + prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
-        out: list[str] = []
-        try:
+
+        def request() -> list[str]:
+            out: list[str] = []
             for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
                 out.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
-        except Exception as exc:
-            raise self._err(exc, prefix) from exc
-        return sorted(out)
+            return sorted(out)
+
+        return self._call(prefix, request)
 
     def delete(self, key: str) -> None:
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=self._k(key))
-        except Exception as exc:
-            raise self._err(exc, key) from exc
+        self._call(key, lambda: self._client.delete_object(Bucket=self.bucket, Key=self._k(key)))
 
     def ensure_bucket(self) -> None:
         """Create the bucket if it does not exist (tests, first use against MinIO/moto)."""
