@@ -28,6 +28,9 @@ JSON (a list, one record per mode) has ``faults`` ([{kind, step, action}]), ``st
 ``version_regressions``, ``eval_after``, ``baseline_eval_after``, ``mode``, and the detail behind
 them (flow failures and resumes, orphaned service processes, the eval difference's 95% interval).
 
+Every run's folder, flow logs (``flow-N.log``: one per start or resume), S3 journal and server logs
+stay under ``runs/bench-chaos-<time>/<mode>/`` (``work_dir`` in the JSON).
+
 The harness measures what the code does and assumes no fix: a flow that dies from a fault is
 resumed (at most 3 times) and each such death is listed under ``flow_failures``.
 """
@@ -212,7 +215,7 @@ def _table(records: list[dict[str, Any]]) -> None:
 def run(json_path: Path, quick: bool, seed: int = 0) -> list[dict[str, Any]]:
     """Both modes (sync, async); print the table, write the records to ``json_path``."""
     cfg = settings(quick, seed)
-    work = json_path.parent / f"{json_path.stem}-runs-{time.strftime('%Y%m%d-%H%M%S')}"
+    work = REPO / "runs" / f"bench-chaos-{time.strftime('%Y%m%d-%H%M%S')}"  # kept: every run's logs and stores
     work.mkdir(parents=True, exist_ok=True)
     hardware = f"{cpu_model()}, {os.cpu_count()} cores, load avg {load_avg():.1f} at start"
     records = []

@@ -25,7 +25,6 @@ import io
 import json
 import os
 import re
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -220,11 +219,6 @@ class JournalTail:
                 self.offset = f.tell()
                 out.append((meta["REQUEST_METHOD"], meta.get("PATH_INFO", "")))
         return out
-
-
-def scratch_folder() -> Path:
-    """A fresh folder for a server's journal and logs."""
-    return Path(tempfile.mkdtemp(prefix="chaos-s3-"))
 
 
 if __name__ == "__main__":
