@@ -11,25 +11,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests.checkpoint_helpers import set_run_secret, tiny_engine  # noqa: E402
+
 
 
 @pytest.fixture(autouse=True)
 def secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The run secret in the environment, as the trainer ranks receive it (checkpoints are signed)."""
-    import os
+    set_run_secret(monkeypatch)
 
-    from infra.secrets import SECRET_ENV
-
-    monkeypatch.setenv(SECRET_ENV, os.urandom(32).hex())
-
-
-def _engine(seed: int):  # noqa: ANN202
-    from infra.config import TrainerConfig
-    from infra.train.engines import TorchEngine
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    return TorchEngine(model, TrainerConfig(lr=1e-2), world=1, rank=0)
 
 
 def _steps(engine, n: int) -> None:  # noqa: ANN001
@@ -44,11 +33,11 @@ def test_round_trip_is_exact(group: None, tmp_path: Path) -> None:
     from infra.train import checkpoint
 
     store = open_store(f"file://{tmp_path}")
-    a = _engine(0)
+    a = tiny_engine(0)
     _steps(a, 3)
     checkpoint.save(store, "r", 3, a, {"weights_version": 4}, rank=0, world=1, keep=2)
     _steps(a, 2)
-    b = _engine(123)  # different init: everything must come from the checkpoint
+    b = tiny_engine(123)  # different init: everything must come from the checkpoint
     _steps(b, 1)
     man = checkpoint.restore(store, "r", 3, b, rank=0, world=1)
     assert man["weights_version"] == 4 and man["step"] == 3
@@ -66,7 +55,7 @@ def test_uncommitted_checkpoint_is_invisible(group: None, tmp_path: Path) -> Non
     from infra.train import checkpoint
 
     store = open_store(f"file://{tmp_path}")
-    e = _engine(0)
+    e = tiny_engine(0)
     checkpoint.save(store, "r", 1, e, {"weights_version": 1}, rank=0, world=1, keep=5)
     checkpoint.save(store, "r", 2, e, {"weights_version": 2}, rank=0, world=1, keep=5)
     store.delete(f"{checkpoint.ckpt_dir('r', 2)}/manifest.json")  # as if killed before the commit
@@ -80,7 +69,7 @@ def test_collect_keeps_step0_and_newest(group: None, tmp_path: Path) -> None:
     from infra.train import checkpoint
 
     store = open_store(f"file://{tmp_path}")
-    e = _engine(0)
+    e = tiny_engine(0)
     for step in range(0, 6):
         checkpoint.save(store, "r", step, e, {"weights_version": step + 1}, rank=0, world=1, keep=2)
     assert checkpoint.committed_steps(store, "r") == [0, 4, 5]
@@ -92,7 +81,7 @@ def test_restore_refuses_other_world_size(group: None, tmp_path: Path) -> None:
     from infra.train import checkpoint
 
     store = open_store(f"file://{tmp_path}")
-    e = _engine(0)
+    e = tiny_engine(0)
     checkpoint.save(store, "r", 1, e, {"weights_version": 1}, rank=0, world=1, keep=2)
     with pytest.raises(checkpoint.CheckpointError, match="2"):
         checkpoint.restore(store, "r", 1, e, rank=0, world=2)

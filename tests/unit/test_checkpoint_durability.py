@@ -7,12 +7,13 @@ process group in this process (the ``group`` fixture); a real file store under `
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from tests.checkpoint_helpers import set_run_secret, tiny_engine  # noqa: E402
 
 from infra.storage import FileStore, get_json, run_key  # noqa: E402
 
@@ -32,19 +33,8 @@ class TornWrites(FileStore):
 
 @pytest.fixture(autouse=True)
 def secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The run secret in the environment, as the trainer ranks receive it (checkpoints are signed)."""
-    from infra.secrets import SECRET_ENV
+    set_run_secret(monkeypatch)
 
-    monkeypatch.setenv(SECRET_ENV, os.urandom(32).hex())
-
-
-def _engine(seed: int):  # noqa: ANN202
-    from infra.config import TrainerConfig
-    from infra.train.engines import TorchEngine
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    return TorchEngine(model, TrainerConfig(lr=1e-2), world=1, rank=0)
 
 
 def test_half_written_checkpoint_never_becomes_current(group: None, tmp_path: Path) -> None:
@@ -56,25 +46,25 @@ def test_half_written_checkpoint_never_becomes_current(group: None, tmp_path: Pa
     from infra.train import checkpoint
 
     store = TornWrites(tmp_path / "store", torn="")
-    a = _engine(0)
+    a = tiny_engine(0)
     checkpoint.save(store, "r", 1, a, {"weights_version": 1}, rank=0, world=1, keep=1)
     want = {k: v.clone() for k, v in a.module.state_dict().items()}
     assert get_json(store, run_key("r", None, "checkpoints", "latest.json")) == {"step": 1}
 
     store.torn = f"{checkpoint.ckpt_dir('r', 2)}/files/"
     with pytest.raises(checkpoint.CheckpointError) as err:
-        checkpoint.save(store, "r", 2, _engine(7), {"weights_version": 2}, rank=0, world=1, keep=1)
+        checkpoint.save(store, "r", 2, tiny_engine(7), {"weights_version": 2}, rank=0, world=1, keep=1)
     assert "step 2" in str(err.value) and store.torn in str(err.value) and "bytes" in str(err.value)
     assert checkpoint.committed_steps(store, "r") == [1]
     assert get_json(store, run_key("r", None, "checkpoints", "latest.json")) == {"step": 1}
 
-    b = _engine(123)
+    b = tiny_engine(123)
     man = checkpoint.restore(store, "r", 1, b, rank=0, world=1)
     assert man["step"] == 1
     for k, v in b.module.state_dict().items():
         assert torch.equal(v, want[k]), k
 
     store.torn = ""  # the store recovers: the next save commits, and only then is step 1 collected
-    checkpoint.save(store, "r", 2, _engine(7), {"weights_version": 2}, rank=0, world=1, keep=1)
+    checkpoint.save(store, "r", 2, tiny_engine(7), {"weights_version": 2}, rank=0, world=1, keep=1)
     assert checkpoint.committed_steps(store, "r") == [2]
     assert get_json(store, run_key("r", None, "checkpoints", "latest.json")) == {"step": 2}
