@@ -14,11 +14,10 @@ torch = pytest.importorskip("torch")
 from tests.checkpoint_helpers import set_run_secret, tiny_engine  # noqa: E402
 
 
-
 @pytest.fixture(autouse=True)
 def secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run secret in the environment, as the trainer ranks receive it (checkpoints are signed)."""
     set_run_secret(monkeypatch)
-
 
 
 def _steps(engine, n: int) -> None:  # noqa: ANN001

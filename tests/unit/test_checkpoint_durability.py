@@ -33,8 +33,8 @@ class TornWrites(FileStore):
 
 @pytest.fixture(autouse=True)
 def secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run secret in the environment, as the trainer ranks receive it (checkpoints are signed)."""
     set_run_secret(monkeypatch)
-
 
 
 def test_half_written_checkpoint_never_becomes_current(group: None, tmp_path: Path) -> None:
