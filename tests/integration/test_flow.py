@@ -100,9 +100,11 @@ def test_flow_end_to_end_promotes_then_gates(harness: None, tmp_path: Path) -> N
 
 
 def test_flow_failure_tears_everything_down(harness: None, tmp_path: Path) -> None:
-    """Kill the rollout worker mid-flow: the flow fails with a clear error and leaves no process behind.
+    """Kill the rollout worker mid-flow with no restart allowed (``rollout.max_restarts=0``): the flow
+    fails with a clear error and leaves no process behind.
 
-    (A killed *trainer* rank is recovered from its checkpoint; see test_resume.)"""
+    (With restarts allowed a dead worker is replaced, see test_rollout_worker_loss; a killed *trainer*
+    rank is recovered from its checkpoint, see test_resume.)"""
     from flows.rl_train import rl_train
 
     root = tmp_path / "runs"
@@ -126,7 +128,8 @@ def test_flow_failure_tears_everything_down(harness: None, tmp_path: Path) -> No
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     with pytest.raises(Exception) as info:
-        rl_train(config="configs/demo.yaml", overrides=[*TINY, "trainer.steps=30", f"run_root={root}"])
+        rl_train(config="configs/demo.yaml", overrides=[*TINY, "trainer.steps=30", "rollout.max_restarts=0",
+                                                         f"run_root={root}"])
     stop.set()
     assert "rollout worker" in str(info.value).lower()
     assert not _wait_gone(root), "services survived a failed flow"

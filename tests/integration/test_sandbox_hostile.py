@@ -260,10 +260,17 @@ def test_recycled_sandbox_starts_clean(runtime: str) -> None:
         p.close()
 
 
-def test_every_catchable_signal_to_the_runner_is_ignored(pool: SandboxPool) -> None:
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_every_catchable_signal_to_the_runner_is_ignored(runtime: str) -> None:
     """Replays finding 7 of issue #15: a job sends ``kill(1, sig)`` to the runner (PID 1 of the
     sandbox) for every catchable signal. Each job must finish normally and the *same* sandbox must
-    serve the next job: no sandbox retired, no anomaly, no job lost."""
+    serve the next job: no sandbox retired, no anomaly, no job lost. A pool of its own, so no sandbox
+    reaches its recycle limit (``max_jobs_per_sandbox``) during the test."""
+    with running_pool(runtime) as pool:
+        _signals_leave_the_runner_serving(pool)
+
+
+def _signals_leave_the_runner_serving(pool: SandboxPool) -> None:
     import signal
 
     catchable = sorted(int(s) for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
