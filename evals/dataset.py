@@ -72,8 +72,6 @@ class Row:
     entry: str | None = None
 
 
-
-
 # ------------------------------------------------------------------------------------------ reading
 def cache_dir() -> str:
     """Where ``datasets`` keeps its Arrow cache: ``$HF_DATASETS_CACHE``, ``$HF_HOME/datasets`` or

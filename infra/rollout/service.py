@@ -75,6 +75,7 @@ class RolloutService:
         self._generation = 0  # bumped per replacement: a caller that saw an older one finds it replaced
         self._restart_lock = threading.Lock()
         self._closed = False
+        self._secret = run_secret(self.run_dir)  # read once: the worker's token and our bearer header
 
     @property
     def url(self) -> str:
@@ -95,7 +96,7 @@ class RolloutService:
         spec.write(self.run_dir / "rollout_spec.json")
         service = ServiceSpec.python(
             "rollout worker", "infra.rollout.server", [],
-            env={**spec.to_env(), **token_env(run_secret(self.run_dir)), "PYTHONUNBUFFERED": "1",
+            env={**spec.to_env(), **token_env(self._secret), "PYTHONUNBUFFERED": "1",
                  "OMP_NUM_THREADS": str(self.cfg.rollout.threads)},
             log=self._log,
         )
@@ -144,7 +145,7 @@ class RolloutService:
     def _post(self, path: str, body: dict[str, Any], timeout: float = 3600.0) -> dict[str, Any]:
         import httpx
 
-        headers = {"Authorization": f"Bearer {control_token(run_secret(self.run_dir))}"}
+        headers = {"Authorization": f"Bearer {control_token(self._secret)}"}
         try:
             resp = httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:
