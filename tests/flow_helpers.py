@@ -207,14 +207,15 @@ def final_weights(root: Path) -> dict[str, Any]:
     state = torch.load(io.BytesIO(store.get(replica)), weights_only=True)
     published, version = VersionReader(store, f"runs/{rid}/weights").fetch()
     return {"step": last, "version": version, "model": state["model"], "optimizer": state["optimizer"]["state"],
-            "published": published}
+            "published": published, "weights_version": man["weights_version"]}
 
 
 def assert_same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
     """Bit-identical final model, optimizer moments and published weights."""
     import torch
 
-    assert (a["step"], a["version"]) == (b["step"], b["version"])
+    assert (a["step"], a["version"], a["weights_version"]) == (b["step"], b["version"], b["weights_version"])
+    assert a["model"].keys() == b["model"].keys()
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), f"weights differ: {k}"
     for i in a["optimizer"]:
