@@ -14,6 +14,11 @@ suite itself (:func:`slices_by_prefix`, e.g. one guard per funcfit family) or fr
 Extra evaluation suites (``eval.suites``) can veto too (:func:`check_suite_regressions`,
 ``promote.no_regression``): a suite regresses when the paired-bootstrap interval of the candidate's
 per-problem rewards minus the champion's lies entirely below zero — a significant drop, not noise.
+
+Floors (:func:`check_floors`, ``promote.floors``) are absolute: a candidate whose mean on a suite is
+below that suite's configured minimum is never promoted, with or without a champion — "better than
+nothing" is not a reason to serve a model that scores 0. A floor whose suite has no result fails
+too (fail closed: the floor cannot be verified).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class GateDecision:
     margin: float = 0.0
     guards: list["GuardCheck"] = field(default_factory=list)
     suites: list["SuiteCheck"] = field(default_factory=list)
+    floors: list["FloorCheck"] = field(default_factory=list)
 
 
 @dataclass
@@ -190,6 +196,42 @@ def veto_regressions(decision: GateDecision, checks: list[SuiteCheck]) -> GateDe
                             f"(CI [{worst.ci_low:+.4f}, {worst.ci_high:+.4f}])")
     elif checks and not failed:
         decision.reason += f"; no regression on {len(checks)} suite(s)"
+    return decision
+
+
+@dataclass
+class FloorCheck:
+    """One suite's absolute minimum: the candidate's mean ``score`` (None: no result) against ``floor``."""
+
+    suite: str
+    score: float | None
+    floor: float
+    ok: bool
+
+
+def check_floors(scores: dict[str, float | None], floors: dict[str, float]) -> list[FloorCheck]:
+    """Each floor against the candidate's mean score on its suite (missing or None: not met)."""
+    out: list[FloorCheck] = []
+    for name in sorted(floors):
+        score = scores.get(name)
+        out.append(FloorCheck(name, score, floors[name], score is not None and score >= floors[name] - 1e-12))
+    return out
+
+
+def veto_floors(decision: GateDecision, checks: list[FloorCheck]) -> GateDecision:
+    """Reject a promotion when the candidate is below any suite's floor (even with no champion);
+    the reason names every floor missed."""
+    decision.floors = checks
+    failed = [c for c in checks if not c.ok]
+    if failed:
+        missed = ", ".join(
+            f"suite {c.suite!r} " + (f"scored {c.score:.4f} < floor {c.floor:.4f}" if c.score is not None
+                                     else f"has no result for its floor {c.floor:.4f}")
+            for c in failed)
+        decision.reason += f"{', but' if decision.promote else ';'} below the production floor: {missed}"
+        decision.promote = False
+    elif checks:
+        decision.reason += f"; {len(checks)} floor(s) met"
     return decision
 
 

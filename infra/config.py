@@ -103,6 +103,10 @@ class RunConfig(Strict):
             raise ValueError("rollout.type 'vllm' needs a Hugging Face model (model.type gguf or hf)")
         if self.trainer.engine == "deepspeed" and self.trainer.zero_stage == 0:
             raise ValueError("trainer.zero_stage must be 1, 2 or 3 when trainer.engine is 'deepspeed'")
+        unknown = sorted(set(self.promote.floors) - {"main", *(s.name for s in self.eval.suites)})
+        if unknown:
+            raise ValueError(f"promote.floors names unknown suite(s) {unknown}: use 'main' (the held-out split) "
+                             "or a name in eval.suites")
         return self
 
     # ----------------------------------------------------------------------------- derived
@@ -189,7 +193,7 @@ DEFAULT_API_OVERRIDES: tuple[str, ...] = (
     "env.seed", "env.eval_problems", "env.chat", "env.system_prompt", "env.stop", "env.answer.*",
     "env.families", "env.hidden_tests", "env.heldout_fraction",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.top_p",
-    "weight_sync.keyframe_every", "weight_sync.codec", "weight_sync.zstd_level",
+    "weight_sync.snapshot_chain_fraction", "weight_sync.codec", "weight_sync.zstd_level",
     "loop.*", "eval.every", "eval.max_new_tokens",
 )
 PROJECT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -56,8 +56,11 @@ class WeightSyncConfig(Strict):
     transport: Literal["object_store"] = Field(
         "object_store", description="object_store: versions in the run's object store."
     )
-    keyframe_every: int = Field(
-        10, ge=1, le=100_000, description="A full snapshot every K versions; deltas in between."
+    snapshot_chain_fraction: float = Field(
+        0.5, ge=0.0, le=100.0,
+        description="Every version is a delta; a full snapshot is written in the background once the "
+        "deltas since the last one exceed this fraction of a snapshot's bytes (a late joiner reads at "
+        "most 1 + this many snapshots; the publisher writes 1 + 1/this times the delta bytes).",
     )
     codec: Literal["auto", "xor", "sparse"] = Field(
         "auto", description="auto: per tensor, the smallest of the available delta encodings."
@@ -275,3 +278,16 @@ class PromoteConfig(Strict):
         description="Also reject when any guard suite of eval.suites is significantly worse than the champion "
         "(the upper end of its paired-bootstrap interval below 0).",
     )
+    floors: dict[str, float] = Field(
+        default_factory=dict, max_length=33,
+        description="Absolute minimum mean score per suite ('main' = the run env's held-out split, else a name "
+        "in eval.suites): a candidate below any floor is never promoted, even with no champion.",
+    )
+
+    @field_validator("floors")
+    @classmethod
+    def _floors_bounded(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(name for name, floor in v.items() if not 0.0 <= floor <= 1.0)
+        if bad:
+            raise ValueError(f"floor(s) of {bad} outside [0, 1] (suite scores are mean rewards in [0, 1])")
+        return v

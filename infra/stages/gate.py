@@ -10,7 +10,9 @@ Used two ways:
   in the sandbox pool) on the same suite, so the comparison is paired.
 
 The main suite is the whole held-out split; the guard suites are its per-family slices (a family
-may not drop by more than ``promote.guard_tolerance`` even when the overall score rises). Reports
+may not drop by more than ``promote.guard_tolerance`` even when the overall score rises). Every
+suite named in ``promote.floors`` must reach its absolute minimum, champion or not
+(:func:`evals.gate.veto_floors`); ``main`` is the held-out split. Reports
 of a version on a suite are cached in the object store: versions are immutable, so re-gating is
 cheap. The decision, the numbers and the reason are logged as MLflow artifacts of a gate run and
 as tags on the candidate version; moving the alias records the previous champion (rollback).
@@ -24,8 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from evals.gate import (GateDecision, check_suite_regressions, decide_with_guards, slices_by_prefix,
-                        suite_rewards, veto_regressions)
+from evals.gate import (GateDecision, check_floors, check_suite_regressions, decide_with_guards, slices_by_prefix,
+                        suite_rewards, veto_floors, veto_regressions)
 from infra.config import PromoteConfig, RunConfig
 from infra.ops.links import run_link_markdown
 from infra.ops.report import gate_report
@@ -48,8 +50,10 @@ def unscored_problems(*reports: dict[str, Any] | None) -> list[bool] | None:
 
 def gate_rewards(problem_ids: list[str], candidate: list[float], champion: list[float] | None,
                  pcfg: PromoteConfig, champion_score: float | None = None,
-                 unscored: list[bool] | None = None) -> GateDecision:
-    """The gate on per-problem rewards of one suite: paired bootstrap on all, guards per family.
+                 unscored: list[bool] | None = None, suites: dict[str, dict[str, Any]] | None = None) -> GateDecision:
+    """The gate on per-problem rewards of one suite: paired bootstrap on all, guards per family, then
+    the floors of ``promote.floors`` (``main``: this suite's mean; other names: the candidate's report
+    of that extra suite in ``suites``, ``{name: {"rewards": [...]}}``).
 
     ``unscored`` (:func:`unscored_problems`): problems either side could not score are left out of
     the comparison; their 0.0 in the reports is a missing value, not a wrong answer."""
@@ -62,26 +66,46 @@ def gate_rewards(problem_ids: list[str], candidate: list[float], champion: list[
         candidate = [candidate[i] for i in keep]
         champion = [champion[i] for i in keep] if champion is not None else None
     guards = champion is not None and pcfg.guard_tolerance < 1.0
-    return decide_with_guards(
+    decision = decide_with_guards(
         candidate, champion, pcfg.margin,
         guards_candidate=slices_by_prefix(problem_ids, candidate) if guards else None,
         guards_champion=slices_by_prefix(problem_ids, champion) if guards and champion else None,
         tolerance=pcfg.guard_tolerance, champion_score=champion_score, confidence=pcfg.confidence,
     )
+    if not pcfg.floors:
+        return decision
+    return veto_floors(decision, check_floors(floor_scores(decision.candidate_score, suites or {}), pcfg.floors))
+
+
+def floor_scores(main_score: float, suites: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """The candidate's mean per suite, as ``promote.floors`` names them: ``main`` and each extra
+    suite report's mean reward (None: a report without rewards)."""
+    out: dict[str, float | None] = {"main": main_score}
+    for name, rep in suites.items():
+        rewards = [float(x) for x in rep.get("rewards") or []]
+        out[name] = sum(rewards) / len(rewards) if rewards else None
+    return out
+
+
+def extra_suites_needed(cfg: RunConfig) -> set[str]:
+    """Extra suites (``eval.suites``) the gate reads: the guard ones under ``promote.no_regression``
+    and every one with a floor."""
+    names = {s.name for s in run_suites(cfg)[1:] if s.guard} if cfg.promote.no_regression else set()
+    return names | (set(cfg.promote.floors) - {"main"})
 
 
 def evaluate_model_dir(cfg: RunConfig, model_dir: str | Path, pool: Any) -> dict[str, Any]:
     """The main-suite report (:func:`~infra.stages.evaluate.evaluate_heldout`) of a Hugging Face folder,
-    with the report of every guard suite of ``eval.suites`` under ``suites`` when
-    ``promote.no_regression`` asks for them."""
+    with the report of every extra suite the gate reads (:func:`extra_suites_needed`) under ``suites``."""
     from infra.model import load_policy
 
     model, tokenizer = load_policy(cfg.model, folder=model_dir)
     generate = generate_with_model(cfg, model, tokenizer)
     report = evaluate_heldout(cfg, generate, pool)
-    if cfg.promote.no_regression:
-        report["suites"] = {s.name: {**evaluate_suite(s, generate, pool), "guard": True}
-                            for s in run_suites(cfg)[1:] if s.guard}
+    needed = extra_suites_needed(cfg)
+    if needed:
+        report["suites"] = {s.name: {**evaluate_suite(s, generate, pool), "guard": s.guard}
+                            for s in run_suites(cfg)[1:] if s.name in needed}
     return report
 
 
@@ -90,7 +114,7 @@ def registry_evaluator(cfg: RunConfig, reg: Registry, pool: Any, ctx: RunContext
 
     def evaluate(version: str, work: str) -> dict[str, Any]:
         key = f"gate/{reg.name}/v{int(version):06d}/{suite_name(cfg)}.json"
-        wanted = {x.name for x in run_suites(cfg)[1:] if x.guard} if cfg.promote.no_regression else set()
+        wanted = extra_suites_needed(cfg)
         if ctx.store.exists(key):
             cached = get_json(ctx.store, key)
             if wanted <= set(cached.get("suites") or {}):
@@ -153,7 +177,7 @@ def _decide(cfg: RunConfig, reg: Registry, cand: str, champ: str | None, evaluat
                              f"({cand_rep.get('suite')} vs {champ_rep.get('suite')})")
         decision = gate_rewards(cand_rep["problem_ids"], cand_rep["rewards"],
                                 champ_rep["rewards"] if champ_rep else None, pcfg,
-                                unscored=unscored_problems(cand_rep, champ_rep))
+                                unscored=unscored_problems(cand_rep, champ_rep), suites=cand_rep.get("suites"))
         if pcfg.no_regression and champ_rep is not None and cand_rep.get("suites"):
             decision = veto_regressions(decision, check_suite_regressions(
                 suite_rewards(cand_rep["suites"]), suite_rewards(champ_rep.get("suites") or {}), pcfg.confidence))

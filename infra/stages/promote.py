@@ -48,7 +48,7 @@ def gate_against_champion(cfg: RunConfig, reg: Registry, report: dict[str, Any])
     champ = reg.alias(pcfg.alias)
     if champ is None:
         return gate_rewards(report["problem_ids"], report["rewards"], None, pcfg,
-                            unscored=unscored_problems(report)), None
+                            unscored=unscored_problems(report), suites=report["suites"]), None
     rep = champion_report(reg, champ.run_id)
     rewards = ([float(x) for x in rep["rewards"]]
                if rep.get("suite") == report["suite"] and rep.get("problem_ids") == report["problem_ids"] else None)
@@ -60,7 +60,8 @@ def gate_against_champion(cfg: RunConfig, reg: Registry, report: dict[str, Any])
             "with; `deltaloop gate VERSION` evaluates both on this run's suite",
             report["score"], None, confidence=pcfg.confidence, margin=pcfg.margin), champ.version
     decision = gate_rewards(report["problem_ids"], report["rewards"], rewards, pcfg, champion_score=score,
-                            unscored=unscored_problems(report, rep if rewards is not None else None))
+                            unscored=unscored_problems(report, rep if rewards is not None else None),
+                            suites=report["suites"])
     if pcfg.no_regression and report["suites"]:
         decision = veto_regressions(decision, check_suite_regressions(
             suite_rewards(report["suites"]), suite_rewards(rep.get("suites") or {}), pcfg.confidence))
