@@ -25,7 +25,7 @@ What is measured, per learning rate (1e-6, 3e-6, 1e-5):
   collection between ``publish`` and ``fetch`` walks torch's import-time objects inside the timed
   window (150-190 ms on the 2-core VM, in one sample of seven).
 
-The end-to-end setting is kinder than a run's: ``keyframe_every=1000`` (no keyframe among the timed
+The end-to-end setting is kinder than a run's: ``snapshot_chain_fraction=100`` (no keyframe among the timed
 syncs), one reader, and a link that limits bandwidth but adds no latency; its speedup is an upper
 bound (``docs/weightsync.md``, "Measured").
 """
@@ -212,7 +212,7 @@ def ours_bytes(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int]
 
     with tempfile.TemporaryDirectory(dir=_tmp_root()) as d:
         store = FileStore(d)
-        pub = VersionPublisher(store, "w", keyframe_every=1000)
+        pub = VersionPublisher(store, "w", snapshot_chain_fraction=100)
         pub.publish(before)
         info = pub.publish(after)
         man = VersionReader(store, "w").manifest(2)
@@ -318,7 +318,7 @@ def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any) -> di
 
     out: dict[str, float] = {}
     # full: a fresh reader gets a keyframe
-    pub = VersionPublisher(store, "full", keyframe_every=1000, threads=os.cpu_count() or 2)
+    pub = VersionPublisher(store, "full", snapshot_chain_fraction=100, threads=os.cpu_count() or 2)
     rd = VersionReader(store, "full", threads=os.cpu_count() or 2)
     t0 = time.perf_counter()
     info = pub.publish(after)
@@ -327,7 +327,7 @@ def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any) -> di
     out["full_bytes_written"] = info.bytes_written
     assert v == 1 and same(got, after)
     # delta: the reader holds the previous version
-    pub = VersionPublisher(store, "delta", keyframe_every=1000, threads=os.cpu_count() or 2)
+    pub = VersionPublisher(store, "delta", snapshot_chain_fraction=100, threads=os.cpu_count() or 2)
     rd = VersionReader(store, "delta", threads=os.cpu_count() or 2)
     pub.publish(before)
     have, hv = rd.fetch()

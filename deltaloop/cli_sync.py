@@ -47,19 +47,21 @@ def publish(
     store: str = _STORE,
     prefix: str = _PREFIX,
     endpoint_url: Optional[str] = _ENDPOINT,
-    keyframe_every: int = typer.Option(10, "--keyframe-every", min=1, help="A keyframe every K versions."),
+    chain_fraction: float = typer.Option(0.5, "--snapshot-chain-fraction", min=0.0, max=100.0,
+                                         help="Snapshot once the deltas since the last exceed this fraction of one."),
     codec: str = typer.Option("auto", "--codec", help="Delta codec: auto, sparse or xor."),
     zstd_level: int = typer.Option(1, "--zstd-level", min=-7, max=22, help="zstd level of frames."),
-    keyframe: bool = typer.Option(False, "--keyframe", help="Force a keyframe."),
+    snapshot: bool = typer.Option(False, "--snapshot", help="Also write a snapshot of this version."),
     threads: int = _THREADS,
 ) -> None:
     """Publish FOLDER as the next version; prints the version and the bytes written."""
     from infra.weightsync import VersionPublisher, read_folder
 
     tensors, files, meta = read_folder(folder)
-    pub = VersionPublisher(_open(store, endpoint_url), prefix, keyframe_every=keyframe_every, codec=codec,  # type: ignore[arg-type]
-                           zstd_level=zstd_level, threads=threads)
-    info = pub.publish(tensors, files=files, meta=meta, keyframe=keyframe or None)
+    pub = VersionPublisher(_open(store, endpoint_url), prefix, snapshot_chain_fraction=chain_fraction,
+                           codec=codec, zstd_level=zstd_level, threads=threads)  # type: ignore[arg-type]
+    info = pub.publish(tensors, files=files, meta=meta, snapshot=snapshot)
+    pub.close(wait_snapshot=True)  # a one-shot process: finish the snapshot it started
     typer.echo(
         f"version {info.version} ({info.kind}): {info.bytes_written} bytes written "
         f"({info.bytes_written / max(info.raw_bytes, 1):.3%} of {info.raw_bytes} raw), "
@@ -123,18 +125,18 @@ def fetch(
 
 @sync_app.command("list")
 def list_versions(store: str = _STORE, prefix: str = _PREFIX, endpoint_url: Optional[str] = _ENDPOINT) -> None:
-    """List committed versions (K = keyframe)."""
+    """List committed versions (K = full version, S = delta with a committed snapshot, d = delta)."""
     from infra.weightsync import scan_versions
 
-    committed, keyframes, _ = scan_versions(_open(store, endpoint_url).list(prefix.strip("/") + "/"))
-    for v in committed:
-        typer.echo(f"{v}\t{'K' if v in keyframes else 'd'}")
+    listing = scan_versions(_open(store, endpoint_url).list(prefix.strip("/") + "/"))
+    for v in listing.committed:
+        typer.echo(f"{v}\t{'K' if v in listing.full else 'S' if v in listing.snapshots else 'd'}")
 
 
 @sync_app.command("gc")
 def gc(
     store: str = _STORE,
-    keep: int = typer.Option(..., "--keep", min=1, help="Keep the newest N versions (and their keyframe)."),
+    keep: int = typer.Option(..., "--keep", min=1, help="Keep the newest N versions (and their start)."),
     prefix: str = _PREFIX,
     endpoint_url: Optional[str] = _ENDPOINT,
 ) -> None:

@@ -201,7 +201,7 @@ class Trainer:
         if self.publisher is None:
             ws = self.cfg.weight_sync
             self.publisher = VersionPublisher(
-                self.store, run_key(self.run_id, None, "weights"), keyframe_every=ws.keyframe_every,
+                self.store, run_key(self.run_id, None, "weights"), snapshot_chain_fraction=ws.snapshot_chain_fraction,
                 codec=ws.codec, zstd_level=ws.zstd_level, threads=ws.threads,
             )
         return self.publisher

@@ -1,28 +1,34 @@
 """Weight sync: every policy version from the trainer to the rollout workers, through an object store.
 
-The trainer publishes version N as a keyframe (the full weights) or as a delta against N-1: per
-chunk of every tensor, the changed words of its raw bytes, coded near their entropy, with an
-xxh3-128 digest; a manifest written last commits the version. Readers replay from the newest
-keyframe at or below their target, or from the version they hold, and verify every chunk. The
-format, the guarantees and measured numbers are in ``docs/weightsync.md``.
+The trainer publishes every version after the first as a delta against the previous one: per chunk
+of every tensor, the changed words of its raw bytes, coded near their entropy, with an xxh3-128
+digest; a manifest written last commits the version as soon as its delta is uploaded. Snapshots
+(full copies of a version, what a late joiner starts from) are written in the background, below
+deltas, when the delta chain since the last one outgrows a fraction of a snapshot, and committed by
+their own manifest. Readers replay from the version they hold, or from the newest committed
+snapshot at or below their target, and verify every chunk. The format, the guarantees and
+measured numbers are in ``docs/weightsync.md``.
 
 Usage::
 
-    pub = VersionPublisher(store, prefix="runs/<run>/weights", keyframe_every=10, codec="auto",
-                           zstd_level=1, threads=2)
-    info = pub.publish(tensors)            # -> PublishInfo
+    pub = VersionPublisher(store, prefix="runs/<run>/weights", snapshot_chain_fraction=0.5,
+                           codec="auto", zstd_level=1, threads=2)
+    info = pub.publish(tensors)            # -> PublishInfo; snapshot=True asks for one of this version
     rd = VersionReader(store, prefix="runs/<run>/weights", threads=2)
     rd.latest()                            # -> int | None
     tensors, version = rd.fetch(target=None, have=None, have_version=None)
-    pub.close(); rd.close()                # stop their kept threads (optional)
+    pub.close(); rd.close()                # stop their threads (close abandons a snapshot in flight;
+                                           # close(wait_snapshot=True) finishes it)
 
 The package, in reading order (each module's docstring says what it does and why):
 
 =======================  ===========================================================================
 ``publisher.py``         :class:`VersionPublisher`: encode chunks on a thread pool, upload shards
-                         while encoding, write the manifest last
+                         while encoding, write the manifest last; the snapshot cadence
+``snapshot.py``          :class:`SnapshotLane`: snapshots on a background thread, below deltas
+``shards.py``            frames packed into shard objects that upload while encoding continues
 ``reader.py``            :class:`VersionReader`: pick a replay path, check and verify every chunk,
-                         fall back to older keyframes on a fault
+                         fall back to older snapshots on a fault
 ``schedule.py``          the reader's pipeline: byte ranges downloaded and decoded in version order
 ``errors.py``            :class:`WeightSyncError` and its subclasses (each names version and tensor)
 ``layout.py``            object names, the manifest format, chunk bounds, version listing
@@ -30,7 +36,7 @@ The package, in reading order (each module's docstring says what it does and why
 ``gc.py``                :func:`collect`: delete versions no reader path still needs
 ``folder.py``            safetensors folders <-> versions (``deltaloop sync publish/fetch``)
 ``chunks.py``            the per-chunk work of publisher and reader: encode, decode + verify
-``codec.py``             frames: ``raw`` (keyframes), ``xor`` (reference), ``sparse`` (deltas)
+``codec.py``             frames: ``raw`` (full versions, snapshots), ``xor`` (reference), ``sparse`` (deltas)
 ``hotwords.py``          the publisher's hot-word lists, kept across versions
 ``kernels.py``           the sparse codec's hot loops: numba kernels or the numpy reference
 ``sparse_format.py``     the sparse frame body: constants and word arithmetic both coders share

@@ -1,17 +1,21 @@
 """Garbage collection of old versions that no reader path still needs.
 
-``collect(store, prefix, keep)`` keeps the newest ``keep`` committed versions *and the keyframe
-chain they depend on*: the anchor is the newest keyframe at or below the oldest kept version, and
-nothing at or above the anchor is deleted. Everything older goes, manifest first (so a version
-disappears atomically from readers' point of view, exactly like it appeared), then its data objects.
-Orphan folders of versions that never committed (a publisher killed mid-upload) below the newest
-version are removed too. Side files no kept manifest references are deleted last; if a kept
-manifest cannot be read (corrupt, or crafted by a writer of the store) no side file is deleted,
-since which ones it needs is unknown, and the rest of the collection still happens.
+``collect(store, prefix, keep)`` keeps the newest ``keep`` committed versions *and what a replay of
+them starts from*: the anchor is the newest start (a full version or a committed snapshot, see
+:mod:`infra.weightsync.layout`) at or below the oldest kept version, and nothing at or above the
+anchor is deleted (every delta after it, and every newer snapshot). A snapshot still being written
+does not count until its manifest exists. Everything older than the anchor goes, manifest first (so
+a version disappears atomically from readers' point of view, exactly like it appeared), then its
+data objects (its snapshot's included). Orphan folders of versions that never committed (a
+publisher killed mid-upload) below the newest version are removed too, and so are the shards of
+snapshots that never committed (abandoned, failed, or left by a killed publisher), except the one
+in flight (``busy``: the publisher passes it). Side files no kept manifest references are deleted
+last; if a kept manifest cannot be read (corrupt, or crafted by a writer of the store) no side file
+is deleted, since which ones it needs is unknown, and the rest of the collection still happens.
 
 A reader that is replaying an old, now-collected version gets :class:`MissingObject` /
-:class:`VersionNotFound` and falls back to the anchor keyframe, which is always kept. Run it from
-the single writer (the publisher does when ``keep_versions`` is set).
+:class:`VersionNotFound` and falls back to the anchor, which is always kept. Run it from the single
+writer (the publisher does when ``keep_versions`` is set).
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ import re
 from typing import TYPE_CHECKING
 
 from infra.weightsync.errors import WeightSyncError
-from infra.weightsync.layout import MANIFEST, Manifest, manifest_key, read_manifest_object, scan_versions, version_dir
+from infra.weightsync.layout import (
+    MANIFEST,
+    SNAPSHOT_TAG,
+    Manifest,
+    manifest_key,
+    read_manifest_object,
+    scan_versions,
+    version_dir,
+)
 
 if TYPE_CHECKING:
     from infra.storage import ObjectStore
@@ -29,27 +41,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def collect(store: "ObjectStore", prefix: str, keep: int) -> list[int]:
-    """Delete versions older than the keyframe anchoring the newest ``keep``; returns those deleted."""
+def collect(store: "ObjectStore", prefix: str, keep: int, busy: int | None = None) -> list[int]:
+    """Delete versions older than the start anchoring the newest ``keep``, and the shards of
+    snapshots that never committed (but those of version ``busy``, being written); returns the
+    versions deleted."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     prefix = prefix.strip("/")
     keys = store.list(prefix + "/")
-    committed, keyframes, seen = scan_versions(keys)
+    listing = scan_versions(keys)
+    committed = listing.committed
     if not committed:
         return []
-    oldest_kept = committed[max(0, len(committed) - keep)]
-    anchors = [k for k in keyframes if k <= oldest_kept]
-    if not anchors:
-        return []
-    anchor = max(anchors)
-    newest = committed[-1]
-    doomed = sorted(v for v in seen if v < anchor or (v < newest and v not in committed))
     by_version: dict[int, list[str]] = {}
     for key in keys:
         m = re.search(r"(?:^|/)v(\d{8})/", key)
         if m:
             by_version.setdefault(int(m.group(1)), []).append(key)
+    for v in sorted(listing.partial - {busy}):
+        for key in by_version.get(v, []):
+            if key.rsplit("/", 1)[-1].startswith(SNAPSHOT_TAG + "-"):
+                store.delete(key)
+    oldest_kept = committed[max(0, len(committed) - keep)]
+    anchors = [k for k in listing.starts if k <= oldest_kept]
+    if not anchors:
+        return []
+    anchor = max(anchors)
+    newest = committed[-1]
+    doomed = sorted(v for v in listing.seen if (v < anchor or (v < newest and v not in committed)) and v != busy)
     for v in doomed:
         if v in committed:
             store.delete(manifest_key(prefix, v))

@@ -2,11 +2,23 @@
 
 Under a prefix ``P`` (e.g. ``runs/<run>/weights``)::
 
-    P/v00000007/k-0000.bin ...       keyframe frames, packed into shards of ~32 MiB
-    P/v00000007/d-0000.bin ...       delta frames (against version 6), packed the same way
-    P/v00000007/keyframe             empty marker: this version has keyframe frames
+    P/v00000007/d-0000.bin ...       delta frames (against version 6), in shards of ~256 KiB
     P/v00000007/manifest.json.zst    written LAST: the version exists once this object does
+    P/v00000007/s-0000.bin ...       snapshot frames (the full weights of version 7), ~32 MiB shards
+    P/v00000007/snapshot.json.zst    written last by the snapshot: it exists once this object does
+    P/v00000001/k-0000.bin ...       a full version's frames (no base to diff against)
+    P/v00000001/keyframe             empty marker: this version is full (a listing tells them apart)
     P/files/<xxh3-128 hex>           side files (config.json...), content-addressed
+
+Every version after the first is a delta against the previous one, committed by its manifest.
+A version is *full* (keyframe frames ``k``, no base) only when there is nothing to diff against:
+the first version, and after a failed publish, a change of tensor names/shapes/dtypes or a
+republish. *Snapshots* (full copies of a committed version, what a late joiner starts from) are
+written in the background by the publisher's snapshot lane (:mod:`infra.weightsync.snapshot`):
+their own manifest, ``snapshot.json.zst`` (same schema, ``kind: snapshot``, keyframe frames only,
+in ``s-`` shards), is written after every snapshot shard, so a reader only ever sees complete
+snapshots. A version's *starts* (where a replay may begin) are its full manifest or its committed
+snapshot.
 
 A manifest (zstd-compressed JSON) lists the shards with their sizes and, per tensor: name, dtype,
 shape, byte size, an xxh3-128 digest, and per chunk of ``chunk_bytes``: the chunk's xxh3-128 digest
@@ -14,9 +26,8 @@ and where its frames live (``k``: keyframe frame, ``d``: delta frame, each ``[sh
 frame digest]``; a delta version omits ``d`` for chunks that did not change). The frame digest
 (xxh3-128 of the frame's bytes) is checked before the frame is decoded, the chunk digest after. The
 tensor digest is xxh3-128 over the tensor's name, dtype and shape and its chunk digests, so it is
-computed in parallel, is stable for a given ``chunk_bytes``, and binds the layout to the bytes.
-Keyframe versions after the first also carry delta frames, so a reader one version behind never
-downloads a keyframe.
+computed in parallel, is stable for a given ``chunk_bytes``, and binds the layout to the bytes
+(a snapshot's tensor digests must equal its version's: the reader checks).
 
 The last, partly filled delta shard of a version is not a separate object: its frames ride in the
 manifest object after the JSON (``DLM2`` + u32 length of the zstd JSON + zstd JSON + those frames;
@@ -45,13 +56,16 @@ from infra.weightsync.validate import MAX_MANIFEST_JSON, MAX_MANIFEST_OBJECT, ch
 if TYPE_CHECKING:
     from infra.storage import ObjectStore
 
-FORMAT = "deltaloop-weights/2"
+FORMAT = "deltaloop-weights/3"
 MANIFEST = "manifest.json.zst"
+SNAPSHOT = "snapshot.json.zst"  # a snapshot's manifest, written after its shards
+SNAPSHOT_TAG = "s"  # snapshot shards: s-0000.bin ...
 KEYFRAME_MARK = "keyframe"
 TAIL_SHARD = "@manifest"  # shard name of the delta frames carried inside the manifest object
 _TAIL_MAGIC = b"DLM2"
 _TAIL_LEN = struct.Struct("<I")
-_VERSION_RE = re.compile(r"(?:^|/)v(\d{8})/(" + re.escape(MANIFEST) + "|" + KEYFRAME_MARK + r")$")
+_VERSION_RE = re.compile(r"(?:^|/)v(\d{8})/(" + "|".join(map(re.escape, (MANIFEST, KEYFRAME_MARK, SNAPSHOT)))
+                         + r"|" + SNAPSHOT_TAG + r"-\d+\.bin)$")
 
 
 def chunk_bounds(nwords: int, width: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -73,6 +87,11 @@ def manifest_key(prefix: str, version: int) -> str:
     return f"{version_dir(prefix, version)}/{MANIFEST}"
 
 
+def snapshot_key(prefix: str, version: int) -> str:
+    """``P/v00000007/snapshot.json.zst``: the object whose existence commits the snapshot of a version."""
+    return f"{version_dir(prefix, version)}/{SNAPSHOT}"
+
+
 def files_key(prefix: str, digest: str) -> str:
     """``P/files/<digest>``: a side file, stored once by content."""
     return f"{prefix.strip('/')}/files/{digest}"
@@ -90,19 +109,39 @@ def tensor_digest(name: str, dtype: str, shape: list[int], chunk_digests: list[s
     return xxhash.xxh3_128_hexdigest((head + "".join(chunk_digests)).encode())
 
 
-def read_manifest_object(store: "ObjectStore", prefix: str, version: int) -> bytes:
-    """The manifest object of ``version``, read only up to :data:`MAX_MANIFEST_OBJECT` bytes (a
-    larger one is a :class:`ManifestError`, not read whole). Raises ``ObjectNotFound`` when absent."""
-    data = store.get_range(manifest_key(prefix, version), 0, MAX_MANIFEST_OBJECT + 1)
+def read_manifest_object(store: "ObjectStore", prefix: str, version: int, snapshot: bool = False) -> bytes:
+    """The manifest object of ``version`` (its snapshot's with ``snapshot``), read only up to
+    :data:`MAX_MANIFEST_OBJECT` bytes (a larger one is a :class:`ManifestError`, not read whole).
+    Raises ``ObjectNotFound`` when absent."""
+    key = snapshot_key(prefix, version) if snapshot else manifest_key(prefix, version)
+    data = store.get_range(key, 0, MAX_MANIFEST_OBJECT + 1)
     if len(data) > MAX_MANIFEST_OBJECT:
         raise ManifestError(f"manifest object larger than {MAX_MANIFEST_OBJECT} bytes", version=version)
     return data
 
 
-def scan_versions(keys: list[str]) -> tuple[list[int], set[int], set[int]]:
-    """From listed keys: (committed versions sorted, keyframe versions, every version dir seen)."""
+@dataclass
+class Listing:
+    """What a listing of a version store says (:func:`scan_versions`)."""
+
+    committed: list[int]  # versions with a manifest, oldest first
+    full: set[int]  # committed versions that are full (keyframe marker)
+    snapshots: set[int]  # committed versions with a committed snapshot (its manifest exists)
+    seen: set[int]  # every version folder seen, committed or not
+    partial: set[int]  # folders holding snapshot shards but no snapshot manifest (in progress or abandoned)
+
+    @property
+    def starts(self) -> set[int]:
+        """Versions a replay can start from: full versions and committed snapshots."""
+        return self.full | self.snapshots
+
+
+def scan_versions(keys: list[str]) -> Listing:
+    """What listed keys say: committed versions, full ones, committed snapshots, folders seen."""
     committed: set[int] = set()
-    keyframes: set[int] = set()
+    full: set[int] = set()
+    snaps: set[int] = set()
+    shards: set[int] = set()
     seen: set[int] = set()
     for key in keys:
         m = re.search(r"(?:^|/)v(\d{8})/", key)
@@ -111,12 +150,16 @@ def scan_versions(keys: list[str]) -> tuple[list[int], set[int], set[int]]:
         m = _VERSION_RE.search(key)
         if not m:
             continue
-        v = int(m.group(1))
-        if m.group(2) == MANIFEST:
+        v, name = int(m.group(1)), m.group(2)
+        if name == MANIFEST:
             committed.add(v)
+        elif name == KEYFRAME_MARK:
+            full.add(v)
+        elif name == SNAPSHOT:
+            snaps.add(v)
         else:
-            keyframes.add(v)
-    return sorted(committed), keyframes & committed, seen
+            shards.add(v)
+    return Listing(sorted(committed), full & committed, (snaps & committed) - full, seen, shards - snaps)
 
 
 @dataclass
@@ -163,12 +206,14 @@ class Manifest:
     meta: dict[str, Any] = field(default_factory=dict)
     tail: bytes = b""  # frames of the ``TAIL_SHARD`` shard, stored after the JSON in the same object
     shard_sizes: list[int] = field(default_factory=list)  # bytes of each shard, in ``shards`` order
+    snapshot: bool = False  # a snapshot's manifest (``snapshot.json.zst``), not a version's
 
     def to_bytes(self) -> bytes:
         """The manifest object: zstd JSON, preceded by ``DLM2`` + length and followed by the
         carried frames when there are any."""
         doc = {
             "format": FORMAT,
+            "kind": "snapshot" if self.snapshot else "version",
             "version": self.version,
             "keyframe": self.keyframe,
             "base": self.base,
@@ -195,9 +240,11 @@ class Manifest:
         return b"".join((_TAIL_MAGIC, _TAIL_LEN.pack(len(packed)), packed, self.tail))
 
     @classmethod
-    def from_bytes(cls, data: bytes, version: int, max_bytes: int | None = None) -> "Manifest":
+    def from_bytes(cls, data: bytes, version: int, max_bytes: int | None = None,
+                   snapshot: bool = False) -> "Manifest":
         """Parse and check a manifest object of ``version`` (:func:`~infra.weightsync.validate.check_document`;
-        ``max_bytes``: the most tensor bytes it may declare, default this machine's memory); raises
+        ``max_bytes``: the most tensor bytes it may declare, default this machine's memory;
+        ``snapshot``: a snapshot's manifest is expected, else a version's); raises
         :class:`ManifestError` naming the field when it is unreadable or fails a check."""
         if len(data) > MAX_MANIFEST_OBJECT:
             raise ManifestError(f"manifest object larger than {MAX_MANIFEST_OBJECT} bytes", version=version)
@@ -218,7 +265,7 @@ class Manifest:
         if type(doc) is dict and doc.get("format") != FORMAT:
             raise ManifestError(f"unknown manifest format {str(doc.get('format'))[:60]!r} (this reader reads "
                                 f"{FORMAT!r})", version=version)
-        check_document(doc, version, len(tail), default_max_bytes() if max_bytes is None else max_bytes)
+        check_document(doc, version, len(tail), default_max_bytes() if max_bytes is None else max_bytes, snapshot)
         tensors = []
         for ti, t in enumerate(doc["tensors"]):
             entry = TensorEntry(t["name"], t["dtype"], t["shape"], t["nbytes"], t["h"],
@@ -228,7 +275,7 @@ class Manifest:
                                     "shape and chunk digests", version=version)
             tensors.append(entry)
         return cls(version, doc["keyframe"], doc.get("base"), doc["chunk_bytes"], doc["shards"], tensors,
-                   doc.get("files", {}), doc.get("meta", {}), tail, doc["shard_sizes"])
+                   doc.get("files", {}), doc.get("meta", {}), tail, doc["shard_sizes"], snapshot)
 
     def signature(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """Names, dtypes and shapes, in order (what a delta needs to match)."""

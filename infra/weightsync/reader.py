@@ -3,8 +3,10 @@
 A fetch of version ``T`` picks the cheapest intact path:
 
 1. from the caller's tensors at ``have_version`` ``h``: apply the delta frames of ``h+1..T``;
-2. else from the newest keyframe ``k <= T`` (then older ones): its keyframe frames, then the deltas
-   ``k+1..T``.
+2. else from the newest start ``k <= T`` (then older ones): a full version or a committed snapshot
+   (:mod:`infra.weightsync.layout`), its keyframe frames, then the deltas ``k+1..T``. A snapshot's
+   tensor digests must equal its version's (else :class:`ManifestError` on the snapshot, and the
+   next start is tried), so a snapshot cannot stand in for other weights.
 
 Deltas are folded per chunk: every chunk is one buffer that each version's frame patches in place,
 so replaying nine deltas costs nine small scatters, not nine model copies. After every frame the
@@ -61,7 +63,10 @@ from infra.weightsync.errors import (
 )
 from infra.weightsync.layout import (
     MANIFEST,
+    SNAPSHOT,
+    SNAPSHOT_TAG,
     TAIL_SHARD,
+    Listing,
     Manifest,
     TensorEntry,
     chunk_bounds,
@@ -70,6 +75,7 @@ from infra.weightsync.layout import (
     manifest_key,
     read_manifest_object,
     scan_versions,
+    snapshot_key,
     version_dir,
 )
 from infra.weightsync.pools import Pools, settle
@@ -122,14 +128,14 @@ class VersionReader:
         self.strict, self.max_fallbacks = strict, max_fallbacks
         self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         self._manifests: dict[int, Manifest] = {}
+        self._snapshots: dict[int, Manifest] = {}  # snapshot manifests, checked against their version's
         self.last_errors: list[WeightSyncError] = []
         self.last_stats: dict[str, object] = {}
         self._pools = Pools(self)  # download and decode threads, made once
 
     # ------------------------------------------------------------------------------ listing
-    def _scan(self) -> tuple[list[int], set[int]]:
-        committed, keyframes, _seen = scan_versions(self.store.list(self.prefix + "/"))
-        return committed, keyframes
+    def _scan(self) -> Listing:
+        return scan_versions(self.store.list(self.prefix + "/"))
 
     def close(self) -> None:
         """Stop this reader's download and decode threads (a later fetch starts new ones)."""
@@ -137,7 +143,11 @@ class VersionReader:
 
     def versions(self) -> list[int]:
         """Committed versions, oldest first."""
-        return self._scan()[0]
+        return self._scan().committed
+
+    def starts(self) -> list[int]:
+        """Versions a late joiner can start from (full versions and committed snapshots), oldest first."""
+        return sorted(self._scan().starts)
 
     def latest(self) -> int | None:
         """Newest committed version (its manifest exists), or None."""
@@ -161,6 +171,33 @@ class VersionReader:
                 self._manifests.pop(next(iter(self._manifests)))
             self._manifests[version] = man
         return man
+
+    def snapshot(self, version: int) -> Manifest:
+        """The manifest of the committed snapshot of ``version`` (cached), checked against the
+        version's own manifest: same chunk size, tensors and tensor digests."""
+        man = self._snapshots.get(version)
+        if man is None:
+            key = snapshot_key(self.prefix, version)
+            try:
+                data = read_manifest_object(self.store, self.prefix, version, snapshot=True)
+                man = Manifest.from_bytes(data, version, self.max_bytes, snapshot=True)
+            except ObjectNotFound:
+                raise VersionNotFound("no committed snapshot (or collected)", version=version, key=key) from None
+            except WeightSyncError as exc:
+                raise exc.at(key) from None
+            own = self.manifest(version)
+            if (man.chunk_bytes != own.chunk_bytes or man.signature() != own.signature()
+                    or [t.h for t in man.tensors] != [t.h for t in own.tensors]):
+                raise ManifestError("the snapshot's tensors are not its version's", version=version, key=key)
+            if len(self._snapshots) > 8:
+                self._snapshots.pop(next(iter(self._snapshots)))
+            self._snapshots[version] = man
+        return man
+
+    def _start_manifest(self, version: int, full: set[int]) -> Manifest:
+        """What a replay from ``version`` starts with: its own manifest if it is a full version,
+        else its snapshot's."""
+        return self.manifest(version) if version in full else self.snapshot(version)
 
     def _next_version(self, have_version: int, probe_newer: bool) -> tuple[int | None, Future | None]:
         """``(have_version + 1, probe)`` if that version is committed, else ``(None, None)``.
@@ -257,7 +294,8 @@ class VersionReader:
             done, have_ok = self._fetch_next(target, have, have_version, inplace, allow_older, bad, t0)  # type: ignore[arg-type]
             if done is not None:
                 return done
-        committed, keyframes = self._scan()
+        listing = self._scan()
+        committed, full = listing.committed, listing.full
         explicit = target is not None
         if not committed:
             raise VersionNotFound(f"no committed version under {self.prefix}/ in this store",
@@ -268,7 +306,7 @@ class VersionReader:
         goals = [goal]
         if allow_older and not explicit:
             goals += [v for v in reversed(committed) if v < goal]
-        cset, keys = set(committed), sorted(keyframes, reverse=True)
+        cset, keys = set(committed), sorted(listing.starts, reverse=True)
         tried_older = 0
         for goal_v in goals:
             if goal_v != goal and tried_older >= self.max_fallbacks:
@@ -280,12 +318,12 @@ class VersionReader:
             for key in plans:
                 try:
                     steps = self._chain(goal_v, have_version if key is None else key, cset)
-                    out = self._run(goal_v, key, steps, have if key is None else None, have_version, inplace)
+                    out = self._run(goal_v, key, steps, have if key is None else None, have_version, inplace, full)
                 except WeightSyncError as exc:
                     if self.strict:
                         raise
                     log.warning("weight fetch path %s -> %d failed: %s", "have" if key is None else
-                                f"keyframe {key}", goal_v, exc)
+                                f"start {key}", goal_v, exc)
                     self.last_errors.append(exc)
                     _bad_parts(bad, exc)
                     self._forget(goal_v, exc.version)
@@ -293,12 +331,14 @@ class VersionReader:
                         have_ok = False  # patched (or not the version claimed): not a base any more
                     continue
                 self.last_stats["seconds"] = time.perf_counter() - t0
-                self.last_stats["path"] = "have" if key is None else f"keyframe {key}"
+                self.last_stats["path"] = "have" if key is None else (
+                    f"keyframe {key}" if key in full else f"snapshot {key}")
                 self.last_stats["newest"] = goal  # the version asked for (newest committed, or target)
                 return out, goal_v
         if self.last_errors:
             raise self.last_errors[0]
-        raise VersionNotFound("no keyframe at or below it and no usable base", version=goal)
+        raise VersionNotFound("no full version or committed snapshot at or below it and no usable base",
+                              version=goal)
 
     def _forget(self, *versions: int | None) -> None:
         """Drop the cached manifests of versions a fetch failed on: a version repaired by
@@ -307,6 +347,7 @@ class VersionReader:
         for v in versions:
             if v is not None:
                 self._manifests.pop(int(v), None)
+                self._snapshots.pop(int(v), None)
 
     def _fetch_next(
         self,
@@ -330,7 +371,7 @@ class VersionReader:
             return None, True
         try:
             self._chain(goal1, have_version, {goal1})
-            out = self._run(goal1, None, [goal1], have, have_version, inplace)
+            out = self._run(goal1, None, [goal1], have, have_version, inplace, set())
         except WeightSyncError as exc:
             if self.strict:
                 raise
@@ -369,14 +410,15 @@ class VersionReader:
         have: dict[str, "torch.Tensor"] | None,
         have_version: int | None,
         inplace: bool,
+        full: set[int],
     ) -> dict[str, "torch.Tensor"]:
-        """Replay to ``goal``: the keyframe ``key`` (or the caller's tensors ``have`` at
-        ``have_version``), then the frames of ``deltas``, into new buffers (into ``have`` with
-        ``inplace``). Every decoded chunk is verified against its version's digest, every chunk no
-        frame touched against ``goal``'s."""
+        """Replay to ``goal``: the start ``key`` (a version in ``full``, else its snapshot; or the
+        caller's tensors ``have`` at ``have_version``), then the frames of ``deltas``, into new
+        buffers (into ``have`` with ``inplace``). Every decoded chunk is verified against its
+        version's digest, every chunk no frame touched against ``goal``'s."""
         start_v = key if key is not None else have_version
         assert start_v is not None
-        start = self.manifest(start_v)
+        start = self._start_manifest(key, full) if key is not None else self.manifest(start_v)
         final = self.manifest(goal)
         self._check_chain_layout(start, deltas)
         tensors = start.tensors
@@ -388,7 +430,7 @@ class VersionReader:
         if key is not None:
             steps.append((key, "k", start))
         steps += [(v, "d", self.manifest(v)) for v in deltas]
-        ranges = self._plan(steps)
+        ranges = self._plan(steps, key is not None and key not in full)
         self.last_stats = {"bytes_read": sum(r.length for r in ranges), "versions": [s[0] for s in steps]}
         touched = [[False] * len(b) for b in bounds]
         bufs: list[np.ndarray] = []  # the output tensors' bytes, decoded into in place
@@ -441,13 +483,17 @@ class VersionReader:
         self._verify_untouched(touched, bounds, words, final, have_version)
         return _outputs(tensors, bufs, have, inplace)
 
-    def _plan(self, steps: list[Step]) -> list[Range]:
+    def _plan(self, steps: list[Step], from_snapshot: bool) -> list[Range]:
         """:func:`plan_ranges` of ``steps``; its fault (a keyframe manifest without a chunk's
-        keyframe frame) names the manifest object."""
+        keyframe frame) names the manifest object (the snapshot's, when the replay starts from one)."""
         try:
             return plan_ranges(steps, self.prefix, self.range_bytes)
         except WeightSyncError as exc:
-            raise (exc.at(manifest_key(self.prefix, exc.version)) if exc.version is not None else exc) from None
+            if exc.version is None:
+                raise
+            snap = from_snapshot and exc.version == steps[0][0]
+            raise exc.at(snapshot_key(self.prefix, exc.version) if snap else
+                         manifest_key(self.prefix, exc.version)) from None
 
     def _check_chain_layout(self, start: Manifest, deltas: list[int]) -> None:
         """Every delta version has the tensors and chunk size of the version replayed from, and a
@@ -523,14 +569,17 @@ class VersionReader:
 
 def _bad_parts(bad: dict[int, set[str]], exc: WeightSyncError) -> None:
     """Record in ``bad`` which frames of the version ``exc`` names cannot be used: ``"k"`` (its
-    keyframe shards), ``"d"`` (its delta shards and the delta frames its manifest carries), or both
-    (its manifest does not parse). Faults of the caller's tensors (:class:`WrongBase`) and faults
-    that name no object record nothing. Objects are immutable, so a path through a recorded part
+    keyframe frames: a full version's shards, or its snapshot's shards or manifest), ``"d"`` (its
+    delta shards and the delta frames its manifest carries), or both (its manifest does not
+    parse). Faults of the caller's tensors (:class:`WrongBase`) and faults that name no object
+    record nothing. Objects are immutable, so a path through a recorded part
     fails again: :func:`_viable` skips it."""
     if exc.version is None or exc.key is None or isinstance(exc, WrongBase):
         return
     name = exc.key.rsplit("/", 1)[-1]
-    if isinstance(exc, ManifestError):
+    if name == SNAPSHOT or name.startswith(SNAPSHOT_TAG + "-"):  # the snapshot, not the version
+        parts = {"k"}
+    elif isinstance(exc, ManifestError):
         parts = {"k", "d"}
     elif name.startswith("k-"):
         parts = {"k"}

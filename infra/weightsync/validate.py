@@ -21,6 +21,9 @@ an object outside its version folder, or write a file outside its output folder:
   names relative '/'-paths without ``.``/``..``/empty segments (:func:`relative_name`; the output
   folder itself is checked again when a fetch writes, see :func:`~infra.weightsync.folder.member_path`),
   tensor names unique non-empty strings, the layout naming only tensors of the version;
+- kinds: the document says what it is (``kind``: ``version`` or ``snapshot``, as the reader
+  expected); a delta's base is the previous version, a full version (``keyframe``) has none, a
+  snapshot is keyframe frames only and carries no frames in its manifest object;
 - types: JSON booleans are not integers, floats are not sizes.
 
 The manifest object and its decompressed JSON are bounded too (:data:`MAX_MANIFEST_OBJECT`,
@@ -144,16 +147,26 @@ def _check_outputs(names: list[str], version: int) -> None:
                             "which is a file too")
 
 
-def check_document(doc: object, version: int, tail_bytes: int, max_bytes: int) -> None:
+def check_document(doc: object, version: int, tail_bytes: int, max_bytes: int, snapshot: bool = False) -> None:
     """Check a decoded manifest JSON document of ``version`` (see the module docstring);
-    ``tail_bytes``: how many bytes of frames the manifest object carries after its JSON."""
+    ``tail_bytes``: how many bytes of frames the manifest object carries after its JSON;
+    ``snapshot``: the document must be a snapshot's manifest (else a version's)."""
     doc = _dict(doc, version, "document", 64)
+    kind = "snapshot" if snapshot else "version"
+    if doc.get("kind") != kind:
+        raise _fail(version, "kind", f"{_show(doc.get('kind'))} where a {kind} manifest was expected")
     if doc.get("version") != version or type(doc.get("version")) is not int:
         raise _fail(version, "version", f"says {_show(doc.get('version'))}")
     if type(doc.get("keyframe")) is not bool:
         raise _fail(version, "keyframe", f"{_show(doc.get('keyframe'))} is not true or false")
     if doc.get("base") is not None:
-        _int(doc["base"], version, "base", 0, version - 1)
+        _int(doc["base"], version, "base", version - 1, version - 1)
+        if doc["keyframe"]:
+            raise _fail(version, "base", "a full version (keyframe) has no base")
+    elif not doc["keyframe"]:
+        raise _fail(version, "base", "a delta version needs its base (the previous version)")
+    if snapshot and (not doc["keyframe"] or tail_bytes):
+        raise _fail(version, "keyframe", "a snapshot holds keyframe frames only, in its own shards")
     chunk_bytes = _int(doc.get("chunk_bytes"), version, "chunk_bytes", 1, MAX_CHUNK_BYTES)
     sizes = _check_shards(doc, version, tail_bytes)
     names = _check_tensors(doc, version, chunk_bytes, sizes, max_bytes)

@@ -34,7 +34,7 @@ def test_worker_serves_openai_and_loads_versions_in_place(tmp_path: Path) -> Non
         # the pipeline's own endpoints keep working next to the OpenAI ones
         tok = build_tokenizer()
         other = build_tiny_model(cfg.model.tiny, tok, seed=5)
-        VersionPublisher(store, run_key("run1", None, "weights"), keyframe_every=10).publish(publishable_state(other))
+        VersionPublisher(store, run_key("run1", None, "weights")).publish(publishable_state(other))
         assert service.load()["version"] >= 0 and service.version() == service.load()["version"]
         version = service.version()
         prompts_key, out_key = run_key("run1", 1, "prompts.json"), run_key("run1", 1, "rollouts.json")

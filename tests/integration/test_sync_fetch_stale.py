@@ -28,7 +28,7 @@ PREFIX = "weights"
 def _publish(tmp_path: Path, n: int, **pub_kwargs: int) -> tuple[FileStore, list[Path]]:
     """Versions 1..n of a drifting model, each also kept as the safetensors folder it came from."""
     store = FileStore(tmp_path / "store")
-    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10, **pub_kwargs)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10, **pub_kwargs)
     d = Drift()
     folders = []
     for v in range(1, n + 1):

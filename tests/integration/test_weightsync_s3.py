@@ -22,16 +22,19 @@ def store(s3_bucket: str, s3_endpoint: str) -> S3Store:
 
 def test_publish_fetch_replay_gc_over_s3(store: S3Store) -> None:
     d = Drift(scale=8)
-    pub = VersionPublisher(store, PREFIX, keyframe_every=3, chunk_bytes=32 << 10, shard_bytes=96 << 10)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=32 << 10, shard_bytes=96 << 10)
     rd = VersionReader(store, PREFIX, range_bytes=64 << 10, budget_bytes=256 << 10)
     history = []
     have, hv = None, None
-    for _ in range(7):
+    for v in range(1, 8):
         history.append(d.bf16())
-        info = pub.publish(history[-1])
+        info = pub.publish(history[-1], snapshot=v in (4, 7))  # snapshots in the background
+        assert info.kind == ("keyframe" if v == 1 else "delta")
         have, hv = rd.fetch(have=have, have_version=hv)
         assert hv == info.version and same(have, history[-1])
+        pub.wait_snapshot()
         d.step()
+    pub.close()
     assert len([k for k in store.list(f"{PREFIX}/v00000001/") if k.endswith(".bin")]) > 1  # several shards
     late = VersionReader(store, PREFIX)
     got, v = late.fetch()
@@ -41,21 +44,22 @@ def test_publish_fetch_replay_gc_over_s3(store: S3Store) -> None:
     assert collect(store, PREFIX, keep=2) == [1, 2, 3]
     assert VersionReader(store, PREFIX).versions() == [4, 5, 6, 7]
     # a publisher restarted against S3 continues from the newest version with a delta
-    pub2 = VersionPublisher(store, PREFIX, keyframe_every=3, chunk_bytes=32 << 10)
+    pub2 = VersionPublisher(store, PREFIX, chunk_bytes=32 << 10)
     assert pub2.publish(d.bf16()).kind == "delta"
 
 
 def test_missing_object_over_s3(store: S3Store) -> None:
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=2, chunk_bytes=16 << 10)
-    for _ in range(3):
-        pub.publish(d.bf16())
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10)
+    for v in (1, 2, 3):
+        pub.publish(d.bf16(), snapshot=v == 3)
         d.step()
-    store.delete(f"{PREFIX}/v00000003/k-0000.bin")
+    pub.close(wait_snapshot=True)
+    store.delete(f"{PREFIX}/v00000003/s-0000.bin")
     with pytest.raises(MissingObject) as err:
         VersionReader(store, PREFIX, strict=True).fetch(3)
     assert err.value.version == 3 and err.value.tensor
-    got, v = VersionReader(store, PREFIX).fetch()  # recovers: keyframe 1 + deltas 2, 3
+    got, v = VersionReader(store, PREFIX).fetch()  # recovers: full version 1 + deltas 2, 3
     d2 = Drift()
     d2.step(), d2.step()
     assert v == 3 and same(got, d2.bf16())

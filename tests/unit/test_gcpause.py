@@ -87,7 +87,7 @@ class _Watching(FileStore):
 def test_publish_and_fetch_hold_off_the_collector(tmp_path: Path) -> None:
     store = _Watching(tmp_path / "s")
     d = Drift()
-    pub = VersionPublisher(store, "w", keyframe_every=100, chunk_bytes=16 << 10)
+    pub = VersionPublisher(store, "w", snapshot_chain_fraction=100, chunk_bytes=16 << 10)
     rd = VersionReader(store, "w")
     pub.publish(d.bf16())
     have, hv = rd.fetch()

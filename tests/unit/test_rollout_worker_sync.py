@@ -61,7 +61,7 @@ def test_worker_applies_deltas_in_place_and_recovers_from_a_failed_fetch(tmp_pat
     worker = RolloutWorker(RolloutSpec.build(cfg, "r", store.uri))
     prefix = run_key("r", None, "weights")
     # small delta shards: the corruption below needs a shard object (the last frames ride in the manifest)
-    pub = VersionPublisher(store, prefix, keyframe_every=100, delta_shard_bytes=1 << 10)
+    pub = VersionPublisher(store, prefix, snapshot_chain_fraction=100, delta_shard_bytes=1 << 10)
     states = _states(worker, 5)
 
     pub.publish(states[0])
@@ -93,8 +93,10 @@ def test_worker_applies_deltas_in_place_and_recovers_from_a_failed_fetch(tmp_pat
     for k, t in _served(worker).items():
         assert torch.equal(t, states[1][k]), k
 
-    # a keyframe after it loads exactly, and the next delta is in place again
-    pub.publish(states[3], keyframe=True)
+    # a snapshot after it loads exactly (the chain through version 3 is broken), and the next delta
+    # is in place again
+    assert pub.publish(states[3], snapshot=True).snapshot_started
+    pub.wait_snapshot()
     assert worker.load(None)["version"] == 4
     ptrs = {k: t.data_ptr() for k, t in worker._tensors.items()}
     pub.publish(states[4])
@@ -123,7 +125,7 @@ def test_worker_reports_a_version_it_cannot_apply_and_never_moves_backwards(
     client = testclient.TestClient(build_app(worker, token))
     auth = {"Authorization": f"Bearer {token}"}
     prefix = run_key("r", None, "weights")
-    pub = VersionPublisher(store, prefix, keyframe_every=100)
+    pub = VersionPublisher(store, prefix, snapshot_chain_fraction=100)
     states = _states(worker, 4)
     for st in states[:3]:
         pub.publish(st)

@@ -51,7 +51,7 @@ def test_publish_fetch_byte_identical(tmp_path: Path) -> None:
     src, out = tmp_path / "src", tmp_path / "out"
     for step in range(3):
         _write_model(src, d.bf16())
-        res = runner.invoke(app, ["sync", "publish", str(src), "--store", store, "--keyframe-every", "5"])
+        res = runner.invoke(app, ["sync", "publish", str(src), "--store", store, "--snapshot-chain-fraction", "100"])
         assert res.exit_code == 0, res.output
         assert f"version {step + 1} (" in res.output and "bytes written" in res.output
         res = runner.invoke(app, ["sync", "fetch", "--store", store, "--out", str(out)])
@@ -65,7 +65,17 @@ def test_publish_fetch_byte_identical(tmp_path: Path) -> None:
     res = runner.invoke(app, ["sync", "list", "--store", store])
     assert res.output.split() == ["1", "K", "2", "d", "3", "d"]
     res = runner.invoke(app, ["sync", "gc", "--store", store, "--keep", "1"])
-    assert res.exit_code == 0 and "none" in res.output  # keyframe 1 anchors version 3
+    assert res.exit_code == 0 and "none" in res.output  # full version 1 anchors version 3
+    _write_model(src, d.bf16())
+    res = runner.invoke(app, ["sync", "publish", str(src), "--store", store, "--snapshot"])
+    assert res.exit_code == 0 and "version 4 (delta)" in res.output, res.output  # the snapshot is finished on exit
+    res = runner.invoke(app, ["sync", "list", "--store", store])
+    assert res.output.split() == ["1", "K", "2", "d", "3", "d", "4", "S"]
+    res = runner.invoke(app, ["sync", "gc", "--store", store, "--keep", "1"])
+    assert res.exit_code == 0 and "1, 2, 3" in res.output  # snapshot 4 anchors version 4
+    res = runner.invoke(app, ["sync", "fetch", "--store", store, "--out", str(tmp_path / "v4")])
+    assert res.exit_code == 0 and "via snapshot 4" in res.output, res.output
+    _same_folder(src, tmp_path / "v4")
 
 
 def _cli(*args: str, cwd: Path) -> "subprocess.CompletedProcess[str]":

@@ -38,15 +38,18 @@ def store(tmp_path: Path) -> FileStore:
 
 
 def _history(store: FileStore, n: int = 4, k: int = 2) -> list[dict[str, torch.Tensor]]:
-    """Versions 1..n with keyframes every k (k=2: keyframes 1, 3; deltas 2, 4)."""
+    """Versions 1..n (1 full, then deltas) with a snapshot of 1+k, 1+2k... (k=2: starts 1, 3)."""
     d = Drift()
     # small delta shards, so each delta has shard objects besides the frames its manifest carries
-    pub = VersionPublisher(store, PREFIX, keyframe_every=k, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10,
+                           delta_shard_bytes=2 << 10)
     out = []
-    for _ in range(n):
+    for v in range(1, n + 1):
         out.append(d.bf16())
-        pub.publish(out[-1])
+        if pub.publish(out[-1], snapshot=v > 1 and (v - 1) % k == 0).snapshot_started:
+            pub.wait_snapshot()
         d.step()
+    pub.close()
     return out
 
 
@@ -86,14 +89,14 @@ def test_corrupted_byte_detected(store: FileStore) -> None:
     assert err.value.version == 2 and err.value.tensor
 
 
-def test_corrupt_keyframe_recovers_from_older_keyframe(store: FileStore) -> None:
+def test_corrupt_snapshot_recovers_from_older_start(store: FileStore) -> None:
     h = _history(store)
-    p = _path(store, 3, "k-0000.bin")
+    p = _path(store, 3, "s-0000.bin")
     data = bytearray(p.read_bytes())
     data[100] ^= 0xFF
     p.write_bytes(bytes(data))
     rd = VersionReader(store, PREFIX)
-    got, v = rd.fetch()  # late joiner: keyframe 3 is bad -> keyframe 1 + deltas 2, 3, 4
+    got, v = rd.fetch()  # late joiner: snapshot 3 is bad -> full version 1 + deltas 2, 3, 4
     assert v == 4 and same(got, h[3])
     assert rd.last_stats["versions"] == [1, 2, 3, 4]
     assert isinstance(rd.last_errors[0], CorruptData) and rd.last_errors[0].version == 3
@@ -104,7 +107,7 @@ def test_latest_fallback_is_the_newest_version_that_verifies(store: FileStore) -
     to the newest version, a reader asked for "latest" either fails naming version and object or,
     allowed an older version, returns the newest one that verifies — never the keyframe (which the
     reader returned before). The corrupt object is tried once, not once per older version."""
-    h = _history(store, n=6, k=100)  # keyframe 1, deltas 2..6
+    h = _history(store, n=6, k=100)  # full version 1, deltas 2..6
     shard = f"{PREFIX}/v00000004/d-0000.bin"
     p = store.root / shard
     good = p.read_bytes()
@@ -137,7 +140,7 @@ def test_latest_fallback_is_the_newest_version_that_verifies(store: FileStore) -
 
 def test_missing_object(store: FileStore) -> None:
     h = _history(store)
-    _path(store, 3, "k-0000.bin").unlink()
+    _path(store, 3, "s-0000.bin").unlink()
     with pytest.raises(MissingObject) as err:
         VersionReader(store, PREFIX, strict=True).fetch(3)
     assert err.value.version == 3 and err.value.tensor and err.value.retryable
@@ -168,7 +171,7 @@ def test_frames_carried_by_the_manifest(store: FileStore) -> None:
     """The last delta frames ride in the manifest object: a flipped byte inside them is a
     CorruptData naming version and tensor; a cut inside them (the manifest records how many bytes
     they are) or inside the header a ManifestError; the keyframe recovers either way."""
-    h = _history(store, n=4, k=2)  # keyframes 1, 3; deltas 2, 4
+    h = _history(store, n=4, k=2)  # starts 1 (full), 3 (snapshot); deltas 2, 3, 4
     p = _path(store, 4, "manifest.json.zst")
     blob = p.read_bytes()
     man = VersionReader(store, PREFIX).manifest(4)
@@ -209,7 +212,7 @@ class SlowStore(FileStore):  # a slow link: every PUT takes a while, so the kill
         super().put(key, data)
 
 store = SlowStore(sys.argv[1])
-pub = VersionPublisher(store, "runs/f/weights", keyframe_every=100, chunk_bytes=16 << 10,
+pub = VersionPublisher(store, "runs/f/weights", snapshot_chain_fraction=100, chunk_bytes=16 << 10,
                        shard_bytes=16 << 10, io_threads=1)
 g = torch.Generator().manual_seed(5)
 pub.publish({"w": (torch.randn(400_000, generator=g)).to(torch.bfloat16)})
@@ -239,7 +242,7 @@ def test_publisher_killed_mid_upload(store: FileStore, tmp_path: Path) -> None:
     got, v = rd.fetch()
     assert v == 2 and same(got, h[1])
     # a new publisher continues after 2, cleans the orphan, and its version 3 is complete
-    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10)
     d = Drift()
     for _ in range(3):
         d.step()

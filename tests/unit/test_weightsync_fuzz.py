@@ -31,7 +31,7 @@ from infra.storage import FileStore
 from infra.weightsync import VersionPublisher, VersionReader, WeightSyncError, write_folder
 from infra.weightsync import codec, kernels
 from infra.weightsync.chunks import apply_frame
-from infra.weightsync.layout import chunk_bounds, digest, manifest_key, version_dir
+from infra.weightsync.layout import chunk_bounds, digest, manifest_key, snapshot_key, version_dir
 from infra.weightsync.rawbytes import tensor_words
 from tests.weightsync_helpers import Drift, manifest_blob, manifest_doc, same, word_pair
 
@@ -83,17 +83,18 @@ def _refused_or_exact(fn: Callable[[], None], what: str) -> bool:
 # ------------------------------------------------------------------------------- manifests
 @pytest.fixture(scope="module")
 def history(tmp_path_factory: pytest.TempPathFactory) -> tuple[FileStore, list[dict[str, torch.Tensor]]]:
-    """Versions 1 (keyframe), 2 (delta, frames in shards and in the manifest), 3 (keyframe + delta)."""
+    """Versions 1 (full), 2 (delta, frames in shards and in the manifest), 3 (delta, and a snapshot)."""
     st = FileStore(tmp_path_factory.mktemp("fuzz") / "store")
     d = Drift()
-    pub = VersionPublisher(st, PREFIX, keyframe_every=2, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
+    pub = VersionPublisher(st, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
     out = []
-    for _ in range(3):
+    for v in (1, 2, 3):
         out.append(d.bf16())
         layout = {"model.safetensors": {"tensors": list(out[-1]), "metadata": {"format": "pt"}}}
         pub.publish(out[-1], files={"config.json": b'{"a": 1}', "tok/vocab.txt": b"a\nb\n"},
-                    meta={"safetensors": layout})
+                    meta={"safetensors": layout}, snapshot=v == 3)
         d.step()
+    pub.wait_snapshot()
     pub.close()
     return st, out
 
@@ -205,10 +206,12 @@ def _fetch_case(store: FileStore, history: list[dict[str, torch.Tensor]], v: int
 
 
 def test_fuzz_manifests(history: tuple[FileStore, list[dict[str, torch.Tensor]]], tmp_path: Path) -> None:
-    """Mutated manifest objects (structure and bytes): refused with a weight-sync error, or every
-    tensor bit-exact, nothing outside the output folder, no guard byte touched."""
+    """Mutated manifest objects (structure and bytes; the versions' and the snapshot's, which a
+    fetch of version 3 starts from): refused with a weight-sync error, or every tensor bit-exact,
+    nothing outside the output folder, no guard byte touched."""
     store, versions = history
-    originals = {v: store.get(manifest_key(PREFIX, v)) for v in (1, 2, 3)}
+    keys = {manifest_key(PREFIX, v): v for v in (1, 2, 3)} | {snapshot_key(PREFIX, 3): 3}
+    originals = {k: store.get(k) for k in keys}
     files = {"config.json": b'{"a": 1}', "tok/vocab.txt": b"a\nb\n"}
     rng = random.Random(SEED)
     outs = tmp_path / "outs"
@@ -216,24 +219,25 @@ def test_fuzz_manifests(history: tuple[FileStore, list[dict[str, torch.Tensor]]]
     cases = refused = 0
     deadline = time.monotonic() + SECONDS
     while time.monotonic() < deadline:
-        v = rng.choice((1, 2, 3))
+        key = rng.choice(sorted(keys))
+        v = keys[key]
         if rng.random() < 0.75:
-            doc, tail = manifest_doc(originals[v])
+            doc, tail = manifest_doc(originals[key])
             what = _mutate_doc(rng, doc)
             if rng.random() < 0.2:
                 what += "; " + _mutate_doc(rng, doc)
             blob = manifest_blob(doc, tail)
         else:
-            blob, what = _mutate_bytes(rng, originals[v])
+            blob, what = _mutate_bytes(rng, originals[key])
         via_have = v == 2 and rng.random() < 0.5
-        store.put(manifest_key(PREFIX, v), blob)
+        store.put(key, blob)
         shutil.rmtree(outs, ignore_errors=True)
         outs.mkdir()
-        what = f"seed {SEED} case {cases}: version {v}, {what}"
+        what = f"seed {SEED} case {cases}: {key.rsplit('/', 2)[-2:]}, {what}"
         try:
             refused += _refused_or_exact(lambda: _fetch_case(store, versions, v, outs, via_have, files), what)
         finally:
-            store.put(manifest_key(PREFIX, v), originals[v])
+            store.put(key, originals[key])
         assert [p.name for p in outs.iterdir()] in ([], ["out"]), f"{what}: wrote outside the output folder"
         out = (outs / "out").resolve()
         assert all(out in p.resolve().parents for p in out.rglob("*")), f"{what}: wrote outside the output folder"

@@ -96,7 +96,7 @@ def _tensors(words: np.ndarray) -> dict[str, torch.Tensor]:
 def test_publisher_reuses_lists_across_versions_and_after_a_failed_publish(tmp_path: object) -> None:
     vs = _versions(3, n=200_000, count=6)
     store = FileStore(str(tmp_path))
-    pub = VersionPublisher(store, "m", keyframe_every=100, threads=2, chunk_bytes=64 << 10)
+    pub = VersionPublisher(store, "m", snapshot_chain_fraction=100, threads=2, chunk_bytes=64 << 10)
     rd = VersionReader(store, "m", threads=2)
     pub.publish(_tensors(vs[0]))
     have, hv = rd.fetch()

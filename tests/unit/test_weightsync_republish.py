@@ -26,7 +26,7 @@ def store(tmp_path: Path) -> FileStore:
 
 def test_republished_version_replaces_a_corrupt_one(store: FileStore) -> None:
     drift = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
     history = []
     for _ in range(3):
         history.append(drift.bf16())

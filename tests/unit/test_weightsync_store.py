@@ -1,4 +1,4 @@
-"""Version store over file://: keyframe cadence, replay, folding, resume, GC, concurrency."""
+"""Version store over file://: deltas and snapshots, replay, folding, resume, GC, concurrency."""
 
 from __future__ import annotations
 
@@ -22,35 +22,61 @@ def store(tmp_path: Path) -> FileStore:
 
 
 def _publish(store: FileStore, n: int, k: int = 3, **kw) -> tuple[VersionPublisher, list[dict[str, torch.Tensor]]]:
+    """Versions 1..n, with a snapshot of versions 1+k, 1+2k... each waited for (a test's fixed
+    cadence; the publisher's own is off)."""
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=k, chunk_bytes=16 << 10, shard_bytes=64 << 10, **kw)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10,
+                           shard_bytes=64 << 10, **kw)
     history = []
-    for _ in range(n):
+    for v in range(1, n + 1):
         t = d.bf16()
         history.append(t)
-        pub.publish(t)
+        if pub.publish(t, snapshot=v > 1 and (v - 1) % k == 0).snapshot_started:
+            pub.wait_snapshot()
         d.step()
     return pub, history
 
 
-def test_keyframe_cadence_and_kinds(store: FileStore) -> None:
+def test_every_version_after_the_first_is_a_delta(store: FileStore) -> None:
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=3, chunk_bytes=16 << 10)
+    pub = VersionPublisher(store, PREFIX, chunk_bytes=16 << 10)  # the shipped cadence
     kinds = []
-    for _ in range(7):
+    for _ in range(12):
         info = pub.publish(d.bf16())
-        kinds.append((info.version, info.kind))
+        kinds.append(info.kind)
         assert info.raw_bytes > 0 and info.bytes_written > 0
+        pub.wait_snapshot()
         d.step()
-    assert kinds == [(1, "keyframe"), (2, "delta"), (3, "delta"), (4, "keyframe"), (5, "delta"), (6, "delta"),
-                     (7, "keyframe")]
-    committed, keyframes, _ = scan_versions(store.list(PREFIX + "/"))
-    assert committed == list(range(1, 8)) and keyframes == {1, 4, 7}
+    assert kinds == ["keyframe"] + ["delta"] * 11
+    listing = scan_versions(store.list(PREFIX + "/"))
+    assert listing.committed == list(range(1, 13)) and listing.full == {1}
+    assert listing.snapshots and not listing.partial  # the chain outgrew half a snapshot: some were taken
+    assert not store.list(f"{PREFIX}/v00000002/keyframe")
+
+
+def test_snapshot_cadence_follows_the_chain_bytes(store: FileStore) -> None:
+    """A snapshot starts once the deltas since the last start exceed the fraction of a snapshot."""
+    d = Drift()
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=0.5, chunk_bytes=16 << 10)
+    first = pub.publish(d.bf16())
+    chain, started = 0, []
+    for _ in range(40):
+        d.step()
+        info = pub.publish(d.bf16())
+        chain += info.bytes_written
+        assert info.snapshot_started == (chain > 0.5 * first.bytes_written)
+        if info.snapshot_started:
+            started.append(info.version)
+            assert pub.wait_snapshot() == info.version
+            snap = sum(store.size(k) for k in store.list(f"{PREFIX}/v{info.version:08d}/") if "/s-" in k)
+            assert 0.5 * first.bytes_written < snap < 2 * first.bytes_written
+            break
+    assert started, "40 deltas should outgrow half a snapshot of this model"
 
 
 def test_delta_is_small_and_changed_fraction(store: FileStore) -> None:
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=100)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100)
     full = pub.publish(d.bf16())
     d.step(lr=1e-6)
     delta = pub.publish(d.bf16())
@@ -65,8 +91,9 @@ def test_every_version_replays_bit_exact(store: FileStore) -> None:
     for v in range(1, 9):
         got, ver = rd.fetch(v)
         assert ver == v and same(got, history[v - 1])
-        # late joiner: starts at the newest keyframe <= v and folds the deltas after it
+        # late joiner: starts at the newest snapshot <= v and folds the deltas after it
         assert rd.last_stats["versions"][0] == 1 + 3 * ((v - 1) // 3)
+        assert rd.last_stats["path"] == ("keyframe 1" if v < 4 else f"snapshot {1 + 3 * ((v - 1) // 3)}")
 
 
 def test_incremental_fetch_reads_only_deltas(store: FileStore) -> None:
@@ -84,18 +111,18 @@ def test_incremental_fetch_reads_only_deltas(store: FileStore) -> None:
     assert v3 == 3 and same(got3, t3) and same(got, t3)  # patched in place
 
 
-def test_keyframe_versions_carry_a_delta(store: FileStore) -> None:
-    _pub, history = _publish(store, 4, k=3)  # 4 is a keyframe
+def test_a_reader_one_behind_never_reads_a_snapshot(store: FileStore) -> None:
+    _pub, history = _publish(store, 4, k=3)  # 4 has a snapshot
     rd = VersionReader(store, PREFIX)
     have, _ = rd.fetch(3)
     got, v = rd.fetch(have=have, have_version=3)
     assert v == 4 and same(got, history[3]) and rd.last_stats["versions"] == [4]
-    assert rd.last_stats["bytes_read"] < 0.5 * store.size(f"{PREFIX}/v00000004/k-0000.bin")
+    assert rd.last_stats["bytes_read"] < 0.5 * store.size(f"{PREFIX}/v00000004/s-0000.bin")
 
 
 def test_resume_continues_with_delta(store: FileStore) -> None:
     _pub, history = _publish(store, 2, k=10)
-    pub2 = VersionPublisher(store, PREFIX, keyframe_every=10, chunk_bytes=16 << 10, shard_bytes=64 << 10)
+    pub2 = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10, shard_bytes=64 << 10)
     assert pub2.version == 2
     d = Drift()
     for _ in range(2):
@@ -108,7 +135,7 @@ def test_resume_continues_with_delta(store: FileStore) -> None:
 
 def test_layout_change_forces_keyframe(store: FileStore) -> None:
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=100)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100)
     pub.publish(d.bf16())
     t = d.bf16()
     t["new.bias"] = torch.zeros(3, dtype=torch.float16)
@@ -127,8 +154,8 @@ def test_side_files_and_meta(store: FileStore) -> None:
 
 
 def test_gc_keeps_what_readers_need(store: FileStore) -> None:
-    _pub, history = _publish(store, 8, k=3)  # keyframes 1, 4, 7
-    deleted = collect(store, PREFIX, keep=3)  # keep 6,7,8 -> anchor keyframe 4
+    _pub, history = _publish(store, 8, k=3)  # starts 1 (full), snapshots 4, 7
+    deleted = collect(store, PREFIX, keep=3)  # keep 6,7,8 -> anchor snapshot 4
     assert deleted == [1, 2, 3]
     rd = VersionReader(store, PREFIX)
     assert rd.versions() == [4, 5, 6, 7, 8]
@@ -148,7 +175,7 @@ def test_gc_from_publisher(store: FileStore) -> None:
 
 def test_concurrent_readers_and_writer(store: FileStore) -> None:
     d = Drift(scale=4)
-    pub = VersionPublisher(store, PREFIX, keyframe_every=3, chunk_bytes=16 << 10, shard_bytes=32 << 10,
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=0.5, chunk_bytes=16 << 10, shard_bytes=32 << 10,
                            keep_versions=4)
     history: dict[int, dict[str, torch.Tensor]] = {}
     history[pub.publish(d.bf16()).version] = d.bf16()
@@ -198,7 +225,7 @@ def test_one_version_behind_fetch_needs_no_listing(tmp_path: Path) -> None:
     one after instead of listing; two behind, it lists and still gets the newest."""
     store = _Counting(tmp_path / "s")
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10)
     hist = []
     for _ in range(4):
         hist.append(d.bf16())
@@ -224,7 +251,7 @@ def test_one_behind_fast_path_failure_falls_back_to_keyframe(tmp_path: Path) -> 
     (the caller's tensors, possibly patched, are not tried again)."""
     store = FileStore(tmp_path / "s")
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=100, chunk_bytes=16 << 10)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10)
     hist = []
     for _ in range(3):
         hist.append(d.bf16())

@@ -17,7 +17,7 @@ import torch
 from infra.storage import FileStore
 from infra.weightsync import CorruptData, ManifestError, VersionPublisher, VersionReader, WeightSyncError
 from infra.weightsync.chunks import apply_frame
-from infra.weightsync.layout import Manifest, manifest_key
+from infra.weightsync.layout import Manifest, manifest_key, snapshot_key
 from tests.weightsync_helpers import Drift, manifest_blob, manifest_doc, same
 
 PREFIX = "runs/v/weights"
@@ -26,14 +26,16 @@ Edit = Callable[[dict[str, Any]], Any]
 
 @pytest.fixture()
 def store(tmp_path: Path) -> FileStore:
-    """Versions 1 (keyframe), 2 (delta, frames in shards and in the manifest), 3 (keyframe + delta)."""
+    """Versions 1 (full), 2 (delta, frames in shards and in the manifest), 3 (delta, and a snapshot)."""
     st = FileStore(tmp_path / "store")
     d = Drift()
-    pub = VersionPublisher(st, PREFIX, keyframe_every=2, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
-    for _ in range(3):
+    pub = VersionPublisher(st, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
+    for v in (1, 2, 3):
         pub.publish(d.bf16(), files={"config.json": b"{}"},
-                    meta={"safetensors": {"model.safetensors": {"tensors": list(d.bf16()), "metadata": None}}})
+                    meta={"safetensors": {"model.safetensors": {"tensors": list(d.bf16()), "metadata": None}}},
+                    snapshot=v == 3)
         d.step()
+    pub.wait_snapshot()
     pub.close()
     return st
 
@@ -109,6 +111,11 @@ CASES: list[tuple[str, int, Edit]] = [  # (text the error must contain, version,
     ("base", 2, _set("base", "1")),
     ("base", 2, _set("base", 2)),
     ("keyframe", 1, _set("keyframe", "yes")),
+    ("base", 1, _set("base", 0)),  # a full version has no base
+    ("base", 2, _set("base", None)),  # a delta needs one
+    ("base", 2, _set("keyframe", True)),
+    ("kind", 2, _set("kind", "snapshot")),  # a snapshot's manifest cannot stand in for a version's
+    ("kind", 2, _set("kind", None)),
 ]
 
 
@@ -153,7 +160,7 @@ def test_crafted_newest_version_fails_or_falls_back_to_the_newest_good_one(store
     one that verifies."""
     want, _ = VersionReader(store, PREFIX).fetch(3)
     d = Drift()
-    pub = VersionPublisher(store, PREFIX, keyframe_every=2, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10, delta_shard_bytes=2 << 10)
     for _ in range(4):
         d.step()
     pub.publish(d.bf16())  # version 4: a delta
@@ -224,6 +231,11 @@ def test_publisher_manifests_parse_and_round_trip(store: FileStore) -> None:
         blob = store.get(manifest_key(PREFIX, v))
         man = Manifest.from_bytes(blob, v)
         assert Manifest.from_bytes(man.to_bytes(), v) == man
+    snap = Manifest.from_bytes(store.get(snapshot_key(PREFIX, 3)), 3, snapshot=True)
+    assert snap.snapshot and snap.keyframe and snap.base is None and not snap.tail
+    assert Manifest.from_bytes(snap.to_bytes(), 3, snapshot=True) == snap
+    with pytest.raises(ManifestError, match="kind"):  # not where a version's manifest is expected
+        Manifest.from_bytes(snap.to_bytes(), 3)
 
 
 def _zstd_declaring(size: int) -> bytes:
