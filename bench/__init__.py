@@ -16,4 +16,5 @@ BENCHMARKS: Registry[object] = Registry("benchmark", {
     "rollout": "bench.rollout:run",
     "train": "bench.train:run",
     "chaos": "bench.chaos:run",
+    "sandbox-sim": "bench.sandbox_sim:run",
 })

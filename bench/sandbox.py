@@ -11,13 +11,18 @@ the same concurrency (``CONCURRENCY`` client threads, one job each at a time):
 
 Per runtime it records jobs/s, p50/p99 per-job latency, the pool's own overhead per job (host-side
 latency minus the program's run time measured inside the sandbox) and ``lost`` (jobs without a
-valid result, or whose reward differs from the expected one).
+valid result, or whose reward differs from the expected one). For the fleet planner
+(``deltaloop plan sandboxes``, :mod:`infra.sandbox.plan`) it also keeps the raw samples of the pool
+arm: every sandbox start (``start_ms_samples``), every job's time holding its sandbox
+(``service_ms_samples``), and the fractions of jobs that retired their sandbox for a fault
+(``retire_prob``) and of starts that failed (``start_fail_prob``).
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,8 +30,10 @@ from typing import Any, Callable
 
 from infra.atomicio import write_json_atomic
 from infra.config import SandboxConfig
-from infra.sandbox import REASONS, SandboxError, TestCase, VerifyRequest, create_pool, create_runtime
+from infra.sandbox import REASONS, SandboxError, SandboxPool, TestCase, VerifyRequest, create_runtime
 from infra.sandbox import protocol
+from infra.sandbox.handle import RunnerHandle
+from infra.sandbox.pool import Runtime
 
 CONCURRENCY = 4
 FAMILIES: list[tuple[str, Callable[[int, int, int], int]]] = [
@@ -58,6 +65,80 @@ def workload(n: int, seed: int = 0) -> list[tuple[VerifyRequest, float]]:
     return out
 
 
+class TimedRuntime:
+    """A runtime whose sandbox starts and job calls are timed: the planner's distributions, measured
+    on the real pool without changing it (the pool sees the same runtime and handles)."""
+
+    def __init__(self, inner: Runtime) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.start_ms: list[float] = []
+        self.service_ms: list[float] = []
+        self.calls: dict[str, tuple[float, float, float]] = {}  # program -> (ready, start, end) of its job's call
+        self.start_failures = 0
+        self._lock = threading.Lock()
+
+    def spawn(self) -> RunnerHandle:
+        t0 = time.perf_counter()
+        try:
+            handle = self.inner.spawn()
+        except SandboxError:
+            with self._lock:
+                self.start_failures += 1
+            raise
+        with self._lock:
+            self.start_ms.append((time.perf_counter() - t0) * 1000)
+        return _TimedHandle(handle, self, time.perf_counter())  # type: ignore[return-value]
+
+    def naive(self, job: dict[str, Any]) -> dict[str, Any]:
+        return self.inner.naive(job)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def reset(self) -> None:
+        """Forget the samples so far (the warm-up's)."""
+        with self._lock:
+            self.start_ms.clear()
+            self.service_ms.clear()
+            self.calls.clear()
+            self.start_failures = 0
+
+
+class _TimedHandle:
+    """A sandbox handle whose ``call`` (one job holding the sandbox) is timed; all else delegates."""
+
+    def __init__(self, inner: RunnerHandle, owner: TimedRuntime, ready: float) -> None:
+        self._inner = inner
+        self._owner = owner
+        self._ready = ready  # when it last became free: started, or its last job ended
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def call(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            return self._inner.call(job, timeout)
+        finally:
+            t1 = time.perf_counter()
+            with self._owner._lock:
+                self._owner.service_ms.append((t1 - t0) * 1000)
+                self._owner.calls[str(job.get("program"))] = (self._ready, t0, t1)
+            self._ready = t1
+
+
+def planner_samples(timed: TimedRuntime, m: dict[str, float]) -> dict[str, Any]:
+    """The planner's fields of a record: raw samples and fault rates of a pool's metrics window."""
+    starts = len(timed.start_ms) + timed.start_failures
+    return {
+        "start_ms_samples": [round(x, 3) for x in timed.start_ms],
+        "service_ms_samples": [round(x, 3) for x in timed.service_ms],
+        "retire_prob": (m["anomalies"] + m["infra_failures"]) / max(1.0, m["jobs"]),
+        "start_fail_prob": timed.start_failures / starts if starts else 0.0,
+    }
+
+
 def _pct(values: list[float], q: float) -> float:
     data = sorted(values)
     return data[min(len(data) - 1, int(round(q * (len(data) - 1))))] if data else 0.0
@@ -86,11 +167,16 @@ def bench_runtime(runtime: str, n_pool: int, n_naive: int) -> dict[str, Any]:
     cfg = SandboxConfig(runtime=runtime, concurrency=CONCURRENCY, min_warm=CONCURRENCY, max_warm=2 * CONCURRENCY,
                         timeout_s=2.0)
     jobs = workload(n_pool)
-    with create_pool(cfg) as pool:
+    timed = TimedRuntime(create_runtime(cfg))
+    with SandboxPool(cfg, timed) as pool:
         pool.verify_many([r for r, _ in jobs[: 2 * CONCURRENCY]])  # touch every warm sandbox once
         pool.metrics(reset=True)
+        warm_starts = list(timed.start_ms)
+        timed.reset()
         results, lat, wall = _drive(lambda pair: pool.verify_many([pair[0]])[0], jobs)
         m = pool.metrics()
+    samples = planner_samples(timed, m)
+    samples["start_ms_samples"] = [round(x, 3) for x in warm_starts] + samples["start_ms_samples"]
     lost = sum(
         1 for (_, want), r in zip(jobs, results)
         if isinstance(r, Exception) or r.reason not in REASONS or abs(r.reward - want) > 1e-9
@@ -126,6 +212,7 @@ def bench_runtime(runtime: str, n_pool: int, n_naive: int) -> dict[str, Any]:
         "pool_queue_wait_p50_ms": m["queue_wait_p50_ms"],
         "pool_sandboxes_started": m["sandboxes_started"],
         "pool_mean_ms": statistics.fmean(lat) if lat else 0.0,
+        **samples,
     }
 
 

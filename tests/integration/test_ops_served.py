@@ -44,6 +44,7 @@ TINY = [
     "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.group_size=4",
     "warmstart.steps=30", "env.eval_problems=20", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
     "model.tiny.intermediate_size=128", "model.tiny.num_heads=2",
+    "promote.floors={}",  # this tiny model scores ~0.01, below the demo's production floor: plumbing, not quality
 ]
 
 
@@ -81,7 +82,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
            "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
            "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2",
            "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_API_AUTH_STRING": AUTH,
-           "DELTALOOP_API_OVERRIDES": "default run_root"}
+           "DELTALOOP_API_OVERRIDES": "default run_root promote.floors"}
     out = tmp / "serve.out"
     with open(out, "wb") as fh:
         proc = subprocess.Popen(
