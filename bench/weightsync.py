@@ -25,9 +25,18 @@ What is measured, per learning rate (1e-6, 3e-6, 1e-5):
   collection between ``publish`` and ``fetch`` walks torch's import-time objects inside the timed
   window (150-190 ms on the 2-core VM, in one sample of seven).
 
-The end-to-end setting is kinder than a run's: ``snapshot_chain_fraction=100`` (no keyframe among the timed
-syncs), one reader, and a link that limits bandwidth but adds no latency; its speedup is an upper
-bound (``docs/weightsync.md``, "Measured").
+- amortised bytes per version with the shipped snapshot policy (lr 1e-6 only, the ``amortized``
+  record): consecutive real AdamW steps (one optimizer, as in a run) each published as the next
+  version by a publisher with the default ``snapshot_chain_fraction``, for at least
+  ``AMORTIZED_MIN_VERSIONS`` versions and until the cadence's first background snapshot has
+  committed (at most ``AMORTIZED_MAX_VERSIONS``): every byte the publisher uploaded after version 1
+  (deltas and snapshots, manifests included) divided by the versions after 1 and by the bf16
+  bytes. Version 1 is the full model every reader needs once; it is reported apart.
+
+The end-to-end delta setting is kinder than a run's: no snapshot among the timed syncs
+(``snapshot_chain_fraction=100``; in a run snapshots upload in the background, below deltas), one
+reader, and a link that limits bandwidth but adds no latency; its speedup is an upper bound
+(``docs/weightsync.md``, "Measured").
 """
 
 from __future__ import annotations
@@ -156,6 +165,83 @@ def rl_step_pair(params: dict[str, Any], cfg: dict[str, Any], lr: float, steps: 
         opt.step()
     after = {k: v.detach().to(torch.bfloat16) for k, v in p.items()}
     return before, after, (time.perf_counter() - t0) / steps
+
+
+def train_versions(params: dict[str, Any], cfg: dict[str, Any], lr: float, batch: int, seqlen: int,
+                   seed: int) -> Any:
+    """bf16 weights before training, then after each of an endless run of AdamW policy-gradient
+    steps (one optimizer throughout, as a run's trainer)."""
+    import torch
+
+    torch.manual_seed(seed)
+    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    opt = torch.optim.AdamW(list(p.values()), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+    vocab = p["token_embd.weight"].shape[0]
+    yield {k: v.detach().to(torch.bfloat16) for k, v in p.items()}
+    while True:
+        tokens = torch.randint(0, vocab, (batch, seqlen))
+        adv = torch.randint(0, 2, (batch,)).float() * 2 - 1
+        logp = forward(p, cfg, tokens[:, :-1]).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        loss = -(adv[:, None] * logp).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        yield {k: v.detach().to(torch.bfloat16) for k, v in p.items()}
+
+
+AMORTIZED_MIN_VERSIONS = 50
+AMORTIZED_MAX_VERSIONS = 400
+
+
+def amortized(params: dict[str, Any], cfg: dict[str, Any], lr: float, batch: int, seqlen: int,
+              min_versions: int, max_versions: int) -> dict[str, Any]:
+    """Bytes per version uploaded with the shipped snapshot policy (see the module docstring)."""
+    from infra.storage import FileStore
+    from infra.weightsync import VersionPublisher
+    from infra.weightsync.publisher import DEFAULT_CHAIN_FRACTION
+
+    with tempfile.TemporaryDirectory(dir=_tmp_root()) as d:
+        pub = VersionPublisher(FileStore(d), "w", threads=os.cpu_count() or 2)
+        kinds: list[str] = []
+        delta_bytes: list[int] = []
+        publish_s: list[float] = []
+        first = 0
+        full = 0
+        t0 = time.perf_counter()
+        for state in train_versions(params, cfg, lr, batch, seqlen, seed=7):
+            info = pub.publish(state)
+            kinds.append(info.kind)
+            if info.version == 1:
+                first, full = info.bytes_written, info.raw_bytes
+            else:
+                delta_bytes.append(info.bytes_written)
+                publish_s.append(info.seconds)
+            if info.version >= max_versions or (info.version >= min_versions and pub.last_start > 1):
+                break
+        pub.wait_snapshot()
+        snapshots = pub.snapshot_bytes_written
+        starts = pub.last_start
+        pub.close()
+    after_first = len(delta_bytes)
+    mean_delta = statistics.mean(delta_bytes)
+    return {
+        "lr": lr,
+        "versions": len(kinds),
+        "snapshot_chain_fraction": DEFAULT_CHAIN_FRACTION,
+        "kinds_after_first": sorted(set(kinds[1:])),
+        "bf16_bytes": full,
+        "first_version_bytes": first,
+        "delta_bytes_mean": mean_delta,
+        "delta_fraction_mean": mean_delta / full,
+        "snapshot_bytes": snapshots,
+        "newest_snapshot_version": starts,
+        "amortized_fraction": (sum(delta_bytes) + snapshots) / after_first / full,
+        "amortized_fraction_with_first": (first + sum(delta_bytes) + snapshots) / len(kinds) / full,
+        "steady_state_fraction": mean_delta * (1 + 1 / DEFAULT_CHAIN_FRACTION) / full,
+        "delta_publish_seconds_p50": statistics.median(publish_s),
+        "delta_publish_seconds_max": max(publish_s),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 # ------------------------------------------------------------------------------ measurements
@@ -422,6 +508,9 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
                 "speed_reps": reps, "seconds_per_train_step": step_s, "link_mb_per_s": LINK_BYTES_PER_S / 1e6, "hardware": hw,
                 "load_avg_1min": os.getloadavg()[0], "quick": quick, "codec_impl": _impl(), "e2e_delta_mode": f"median of {E2E_DELTA_REPEATS} fetch(inplace=True); e2e_delta_copy_seconds: default fetch, once",
             })
+            if lr == 1e-6:
+                lo, hi = (10, 20) if quick else (AMORTIZED_MIN_VERSIONS, AMORTIZED_MAX_VERSIONS)
+                rec["amortized"] = amortized(params, cfg, lr, batch, seqlen, lo, hi)
             records.append(rec)
             console.print(f"lr {lr:g}: done ({time.perf_counter() - t0:.0f}s)")
     table = Table(title=f"weight sync, SmolLM2-135M bf16, 50 MB/s link — {hw}")
@@ -438,5 +527,14 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
     for r in records:
         table.add_row(*[f.format(r[k]) for _n, k, f in cols])
     console.print(table)
+    for r in records:
+        a = r.get("amortized")
+        if a:
+            console.print(
+                f"amortised, shipped snapshot policy (fraction {a['snapshot_chain_fraction']:g}), lr {a['lr']:g}, "
+                f"{a['versions']} versions: {a['amortized_fraction']:.3%} of bf16 per version after the first "
+                f"(deltas {a['delta_fraction_mean']:.3%}, snapshots {a['snapshot_bytes'] / 1e6:.0f} MB; "
+                f"steady state {a['steady_state_fraction']:.3%}; with version 1: "
+                f"{a['amortized_fraction_with_first']:.3%})")
     write_json_atomic(json_path, records, indent=2)
     return records

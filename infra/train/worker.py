@@ -466,6 +466,8 @@ def main() -> None:
             server.reply(reply)
     if server is not None:
         server.close()
+    if trainer.publisher is not None:  # abandons a background snapshot: nothing half-written stays visible
+        trainer.publisher.close()
     dist.destroy_process_group()
 
 
