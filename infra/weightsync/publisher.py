@@ -199,13 +199,18 @@ class VersionPublisher:
     def close(self, wait_snapshot: bool = False) -> None:
         """Stop this publisher's threads (a later publish starts new ones). The snapshot in flight is
         abandoned (it commits nothing; its shards are deleted), or with ``wait_snapshot`` finished
-        first (a one-shot publisher, like ``deltaloop sync publish``, has no later chance)."""
-        if wait_snapshot:
-            self.wait_snapshot()
-        else:
-            self._lane.abandon()
-            self._take_snapshots()
-        self._pools.close()
+        first (a one-shot publisher, like ``deltaloop sync publish``, has no later chance); a
+        snapshot that fails is logged, not raised (every version is committed without it)."""
+        try:
+            if wait_snapshot:
+                self.wait_snapshot()
+            else:
+                self._lane.abandon()
+                self._take_snapshots()
+        except Exception as exc:  # noqa: BLE001 - the versions are committed; a snapshot is an optimisation
+            log.warning("snapshot not written: %s", exc)
+        finally:
+            self._pools.close()
 
     # ----------------------------------------------------------------------------- snapshots
     @property
