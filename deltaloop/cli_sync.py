@@ -47,7 +47,7 @@ def publish(
     store: str = _STORE,
     prefix: str = _PREFIX,
     endpoint_url: Optional[str] = _ENDPOINT,
-    chain_fraction: float = typer.Option(0.5, "--snapshot-chain-fraction", min=0.0, max=100.0,
+    chain_fraction: float = typer.Option(1.0, "--snapshot-chain-fraction", min=0.0, max=100.0,
                                          help="Snapshot once the deltas since the last exceed this fraction of one."),
     codec: str = typer.Option("auto", "--codec", help="Delta codec: auto, sparse or xor."),
     zstd_level: int = typer.Option(1, "--zstd-level", min=-7, max=22, help="zstd level of frames."),

@@ -57,7 +57,7 @@ class WeightSyncConfig(Strict):
         "object_store", description="object_store: versions in the run's object store."
     )
     snapshot_chain_fraction: float = Field(
-        0.5, ge=0.0, le=100.0,
+        1.0, ge=0.0, le=100.0,
         description="Every version is a delta; a full snapshot is written in the background once the "
         "deltas since the last one exceed this fraction of a snapshot's bytes (a late joiner reads at "
         "most 1 + this many snapshots; the publisher writes 1 + 1/this times the delta bytes).",

@@ -11,7 +11,7 @@ measured numbers are in ``docs/weightsync.md``.
 
 Usage::
 
-    pub = VersionPublisher(store, prefix="runs/<run>/weights", snapshot_chain_fraction=0.5,
+    pub = VersionPublisher(store, prefix="runs/<run>/weights", snapshot_chain_fraction=1.0,
                            codec="auto", zstd_level=1, threads=2)
     info = pub.publish(tensors)            # -> PublishInfo; snapshot=True asks for one of this version
     rd = VersionReader(store, prefix="runs/<run>/weights", threads=2)
