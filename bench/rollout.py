@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from bench.machine import cpu_model, load_avg
 
+import copy
 import hashlib
 import os
 import time
@@ -151,11 +152,63 @@ def compare(name: str, model: Any, tok: Any, prompts: list[str], batch: int, rou
         e_s += t1 - t0
         h_s += t2 - t1
     e_rate, h_rate = e_tok / max(e_s, 1e-9), h_tok / max(h_s, 1e-9)
-    return {"model": name, "batch": batch, "engine_tokens_per_s": round(e_rate, 1), "hf_tokens_per_s": round(h_rate, 1),
+    return {"backend": "local", "model": name, "batch": batch, "engine_tokens_per_s": round(e_rate, 1), "hf_tokens_per_s": round(h_rate, 1),
             "speedup": round(e_rate / max(h_rate, 1e-9), 2), "logprob_max_abs_err": err, "rounds": rounds,
             "max_new_tokens": max_new, "engine_tokens": e_tok, "hf_tokens": h_tok,
             "mean_len": round(sum(lengths) / max(len(lengths), 1), 1), "min_len": min(lengths, default=0),
             "max_len": max(lengths, default=0), "continuous": engine.continuous, "load_avg_1m": load_avg()}
+
+
+def vllm_records(name: str, model: Any, tok: Any, prompts: list[str], quick: bool, max_new: int) -> list[dict[str, Any]]:
+    """vLLM on the same model, prompts and sampling settings, under vLLM's interpreter
+    (:mod:`bench.vllm_rollout`); one record per batch size, or one ``error`` record when vLLM's
+    environment is missing or the run fails. vLLM serves bf16 (its CPU build's fast path); the
+    log-prob errors compare it with the trainer's teacher-forced pass of the same bf16 weights."""
+    import json
+    import subprocess
+    import tempfile
+
+    import torch
+
+    from infra.model import load_published_state, publishable_state
+    from infra.rollout.engine import Completion
+    from infra.rollout.vllm_engine import write_model_folder
+    from infra.rollout.vllm_env import VllmEnvironmentError, check_vllm_python, vllm_python
+    from infra.train.grpo import build_batch, token_logprobs
+
+    python = vllm_python()
+    try:
+        check_vllm_python(python)
+    except VllmEnvironmentError as exc:
+        return [{"backend": "vllm", "model": name, "error": str(exc)}]
+    threads = int(os.environ.get("DELTALOOP_BENCH_THREADS", "1"))
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        folder = write_model_folder(model, tok, Path(tmp) / "model")
+        (Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
+        rounds = ["4", "2"] if quick else ["16", "8"]
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
+        done = subprocess.run([python, "-m", "bench.vllm_rollout", "--folder", str(folder), "--prompts",
+                               str(Path(tmp) / "prompts.json"), "--out", str(Path(tmp) / "out.json"),
+                               "--max-new", str(max_new), "--rounds", *rounds],
+                              cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = [ln for ln in done.stderr.splitlines() if ln.strip()][-1:] or ["no output"]
+            return [{"backend": "vllm", "model": name, "error": f"exit {done.returncode}: {tail[0]}"}]
+        out = json.loads((Path(tmp) / "out.json").read_text())
+    served = copy.deepcopy(model)
+    load_published_state(served, publishable_state(served))  # the bf16 bits vLLM serves
+    comps = [Completion(**s) for s in out["samples"]]
+    batch = build_batch(tok, out["logprob_prompts"], comps, [0.0] * len(comps))
+    with torch.inference_mode():
+        lp, _ = token_logprobs(served, batch["input_ids"], batch["attention_mask"], out["logprob_temperature"])
+    err = (lp - batch["old_logprobs"]).abs()[batch["completion_mask"].bool()]
+    common = {"backend": "vllm", "model": name, "dtype": out["dtype"], "threads": threads,
+              "logprob_mean_abs_err": round(float(err.mean()), 5),
+              "logprob_p99_abs_err": round(float(err.quantile(0.99)), 5), "logprob_tokens": int(err.numel()),
+              "logprob_temperature": out["logprob_temperature"], "start_seconds": round(out["start_seconds"], 2),
+              "apply_version_seconds": out["apply_version_seconds"], "reload_seconds": round(out["reload_seconds"], 2),
+              "reload_over_apply": round(out["reload_seconds"] / max(out["apply_version_seconds"], 1e-9), 1)}
+    return [{**common, **t, "load_avg_1m": load_avg()} for t in out["throughput"]]
 
 
 def async_section(quick: bool) -> dict[str, Any]:
@@ -184,10 +237,12 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
     # rounds of ~200 tokens at batch 32 swung the ratio by +-20 % on a shared machine)
     for batch, rounds in ((1, 24 if quick else 64), (32, 16 if quick else 48)):
         records.append(compare("demo", model, tok, prompts, batch, rounds, max_new=24))
+    records += vllm_records("demo", model, tok, prompts, quick, max_new=24)
     if not quick:  # SmolLM2 takes minutes on 2 cores (135M parameters, 49k vocabulary)
         model, tok, prompts = smollm2_model()
         for batch, rounds in ((1, 3), (32, 2)):
             records.append(compare("smollm2-135m", model, tok, prompts, batch, rounds, max_new=32))
+        records += vllm_records("smollm2-135m", model, tok, prompts, quick, max_new=32)
     result = {"hardware": hardware(), "engine": records, "async": async_section(quick)}
     write_json_atomic(json_path, result, indent=1)
 
@@ -196,10 +251,21 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
                         f"{result['hardware']['torch_threads']} torch threads, fp32)")
     for col in ("model", "batch", "engine tok/s", "HF tok/s", "speedup", "logprob err", "lengths"):
         table.add_column(col)
-    for r in records:
+    for r in (r for r in records if r["backend"] == "local"):
         table.add_row(r["model"], str(r["batch"]), f"{r['engine_tokens_per_s']:.0f}", f"{r['hf_tokens_per_s']:.0f}",
                       f"{r['speedup']:.2f}x", f"{r['logprob_max_abs_err']:.1e}",
                       f"{r['min_len']}-{r['max_len']} (mean {r['mean_len']})")
     console.print(table)
+    vtable = Table(title="rollout: vLLM (CPU build, bf16, same prompts and sampling), weights applied in place")
+    for col in ("model", "batch", "tok/s", "logprob err mean / p99", "apply s", "reload s", "reload/apply"):
+        vtable.add_column(col)
+    for r in (r for r in records if r["backend"] == "vllm"):
+        if "error" in r:
+            vtable.add_row(r["model"], "-", "error", r["error"][:80], "", "", "")
+            continue
+        vtable.add_row(r["model"], str(r["batch"]), f"{r['tokens_per_s']:.0f}",
+                       f"{r['logprob_mean_abs_err']:.4f} / {r['logprob_p99_abs_err']:.4f}",
+                       f"{r['apply_version_seconds']:.3f}", f"{r['reload_seconds']:.1f}", f"{r['reload_over_apply']:.0f}x")
+    console.print(vtable)
     console.print(f"async: {result['async']}")
     return result

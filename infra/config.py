@@ -99,8 +99,6 @@ class RunConfig(Strict):
     def _cross(self) -> "RunConfig":
         if self.cluster.backend == "nccl" and self.trainer.engine == "torch" and self.cluster.type == "local":
             pass  # allowed on GPU hosts; checked at provision time
-        if self.rollout.type == "vllm" and self.model.type == "tiny":
-            raise ValueError("rollout.type 'vllm' needs a Hugging Face model (model.type gguf or hf)")
         if self.trainer.engine == "deepspeed" and self.trainer.zero_stage == 0:
             raise ValueError("trainer.zero_stage must be 1, 2 or 3 when trainer.engine is 'deepspeed'")
         unknown = sorted(set(self.promote.floors) - {"main", *(s.name for s in self.eval.suites)})

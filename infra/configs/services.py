@@ -16,7 +16,9 @@ class RolloutConfig(Strict):
     """The inference engine that generates rollouts."""
 
     type: Literal["local", "vllm"] = Field(
-        "local", description="local: torch KV-cached sampler on CPU/GPU; vllm: vLLM (GPU only)."
+        "local",
+        description="local: torch KV-cached sampler on CPU/GPU; vllm: vLLM (its CPU build here, CUDA on GPUs), "
+        "run under rollout.vllm_python.",
     )
     max_new_tokens: int = Field(
         16, ge=1, le=32768, description="Longest completion (funcfit answers are <= 12 characters)."
@@ -28,6 +30,16 @@ class RolloutConfig(Strict):
     gpu_memory_utilization: float = Field(
         0.5, gt=0.0, le=0.98, description="vllm: fraction of GPU memory vLLM may take (the trainer shares the GPU)."
     )
+    vllm_python: str = Field(
+        "",
+        description="vllm: the interpreter of vLLM's environment that runs the rollout worker (default: "
+        "$DELTALOOP_VLLM_PYTHON, else .venv-vllm/bin/python of this checkout, made by scripts/setup.sh).",
+    )
+    vllm_dtype: Literal["bfloat16", "float16", "float32", "auto"] = Field(
+        "bfloat16", description="vllm: the dtype vLLM serves in (published versions are bf16)."
+    )
+    vllm_max_model_len: int = Field(1024, ge=16, le=1 << 20, description="vllm: prompt + completion tokens at most.")
+    vllm_kv_cache_gb: int = Field(1, ge=1, le=4096, description="vllm on CPU: KV-cache memory (VLLM_CPU_KVCACHE_SPACE).")
     start_timeout_s: float = Field(120.0, gt=0, le=3600, description="Max wait for the worker.")
     max_restarts: int = Field(
         3, ge=0, le=1000,

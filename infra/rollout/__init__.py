@@ -2,8 +2,8 @@
 
 Select a backend with ``rollout.type`` through :func:`create_engine`: ``local`` is the torch
 KV-cached sampler (:mod:`infra.rollout.local`), ``vllm`` the vLLM engine
-(:mod:`infra.rollout.vllm_engine`, GPU). Both are listed in :data:`ENGINES` and imported only when
-chosen; :func:`register_engine` adds another.
+(:mod:`infra.rollout.vllm_engine`; vLLM must be importable, i.e. in vLLM's own environment). Both
+are listed in :data:`ENGINES` and imported only when chosen; :func:`register_engine` adds another.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def _local(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> RolloutEngine:
 
 
 def _vllm(cfg: "RolloutConfig", model: Any, tokenizer: Any) -> RolloutEngine:
-    from infra.rollout.vllm_engine import VLLMEngine
+    from infra.rollout.vllm_engine import start_engine_sync
 
-    return VLLMEngine(model, tokenizer, gpu_memory_utilization=float(cfg.gpu_memory_utilization))
+    return start_engine_sync(model, tokenizer, cfg)
 
 
 ENGINES: Registry[RolloutEngine] = Registry("rollout engine", {"local": _local, "vllm": _vllm})

@@ -53,6 +53,16 @@ if TYPE_CHECKING:
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 PLAIN_STOPS = ["\nUser:", "\nSystem:", "\nTool:"]
 DEFAULT_MAX_TOKENS = 256
+
+
+def plain_chat_template() -> str:
+    """The plain chat rendering (``Role: content`` lines, then ``Assistant:``) as a Jinja chat
+    template, for servers that need one (vLLM's) when the tokenizer has none: the same text
+    :meth:`OpenAIFrontend.render_chat` builds, bos first."""
+    roles = "{" + ", ".join(f"'{k}': '{v}'" for k, v in PLAIN_ROLES.items()) + "}"
+    return ("{{ bos_token or '' }}{% set roles = " + roles + " %}{% for m in messages %}"
+            "{{ roles.get(m['role'], m['role'] | capitalize) }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}Assistant:{% endif %}")
 # OpenAI request fields that change nothing here and are accepted (and ignored) with any value
 IGNORED_FIELDS = frozenset({"user", "stream_options", "metadata", "store", "service_tier", "parallel_tool_calls",
                             "prediction", "modalities", "reasoning_effort"})

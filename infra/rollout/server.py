@@ -17,11 +17,16 @@ false``, ``requested``, ``error``), a warning is logged, and ``load_failures`` /
 in ``/health`` count it. It never moves to an older version than the one it serves: such a load is
 refused (409) and counted in ``refused_older``.
 
-Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``, and the
-OpenAI-compatible ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``,
+``POST /v1/weights/digest`` (per-tensor sha256 of the weights served, :mod:`infra.rollout.digest`),
+and the OpenAI-compatible ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (:mod:`infra.rollout.openai_api`; served model name ``spec.model_name``, default ``policy``) for
 agent harnesses and multi-turn environments. OpenAI requests do not take the worker lock: they join
-the engine's continuous batch, and the engine itself keeps weight loads between requests.
+the engine's continuous batch, and the engine itself keeps weight loads between requests. With
+``rollout.type: vllm`` the worker runs under vLLM's interpreter (:mod:`infra.rollout.vllm_env`), the
+OpenAI endpoints are vLLM's own server (:func:`infra.rollout.vllm_engine.openai_app`) and versions
+are fetched and applied inside vLLM's model process (:mod:`infra.rollout.vllm_ext`); a load there
+lands between two engine steps, so an OpenAI request in flight may finish on the new weights.
 
 Guards (:mod:`infra.rollout.guard`): every body is capped at ``rollout.max_body_bytes`` (413); the
 control endpoints ``/v1/load`` and ``/v1/rollout`` need the run's bearer token, derived from the run
@@ -34,10 +39,11 @@ checked against ``rollout.max_request_*`` / ``max_stop*`` before they join the b
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,7 +60,7 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     """Engine + weight reader; generation and weight loads are serialised by one lock."""
 
-    def __init__(self, spec: RolloutSpec) -> None:
+    def __init__(self, spec: RolloutSpec, engine_factory: Callable[..., Any] | None = None) -> None:
         import torch
 
         from infra.model import load_policy
@@ -67,14 +73,19 @@ class RolloutWorker:
         self.store: ObjectStore = open_store(**spec.store.model_dump())
         model, tokenizer = load_policy(cfg.model, seed=cfg.seed, folder=spec.init_dir or None)
         model.eval()
-        self.engine = create_engine(cfg.rollout, model, tokenizer)
+        self.engine = (engine_factory or create_engine)(cfg.rollout, model, tokenizer)
         self.tokenizer = tokenizer
         self.run_id = spec.run_id
         # a version is the policy's weights: one declaring more than twice what the loaded model
         # holds (fp32 master copy vs bf16 serving, plus margin) is refused before any allocation
         model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        self.reader = VersionReader(self.store, run_key(spec.run_id, None, "weights"), threads=cfg.weight_sync.threads,
+        prefix = run_key(spec.run_id, None, "weights")
+        self.reader = VersionReader(self.store, prefix, threads=cfg.weight_sync.threads,
                                     max_bytes=2 * model_bytes + (64 << 20))
+        # engines that fetch versions inside a process of their own (vLLM) get the store there
+        self.remote_weights = bool(getattr(self.engine, "remote_weights", False))
+        if self.remote_weights:
+            self.engine.attach(spec.store.model_dump(), prefix, cfg.weight_sync.threads, 2 * model_bytes + (64 << 20))
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.load_failures = 0  # loads of a version that could not be applied (the old one kept serving)
@@ -117,8 +128,7 @@ class RolloutWorker:
             # delta itself). A failed fetch may leave them half-patched: drop them, so the next
             # load replays from a keyframe.
             try:
-                tensors, got = self.reader.fetch(target=target, have=self._tensors, have_version=have_version,
-                                                 inplace=True)
+                got = self._apply(target, have_version)
             except DeltaloopError as exc:  # corrupt, missing, unreachable: keep serving what we have
                 self._tensors = None
                 self.load_failures += 1
@@ -130,9 +140,27 @@ class RolloutWorker:
             except BaseException:
                 self._tensors = None
                 raise
-            self.engine.load_weights(tensors, got)
-            self._tensors = tensors
             return {"version": got, "seconds": time.perf_counter() - started, "applied": True}
+
+    def _apply(self, target: int, have_version: int | None) -> int:
+        """Fetch ``target`` and hand it to the engine; the version now served."""
+        if self.remote_weights:  # fetched and verified inside the engine's own process
+            return int(self.engine.apply_version(target)["version"])
+        tensors, got = self.reader.fetch(target=target, have=self._tensors, have_version=have_version, inplace=True)
+        self.engine.load_weights(tensors, got)
+        self._tensors = tensors
+        return got
+
+    def digests(self) -> dict[str, Any]:
+        """Per-tensor digests of the weights the engine serves (:mod:`infra.rollout.digest`), with
+        the version: equal to the published tensors' digests when the engine serves them exactly."""
+        with self._lock:
+            if self.remote_weights:
+                return {"version": self.version, "tensors": self.engine.served_digests()["tensors"]}
+            from infra.model import publishable_state
+            from infra.rollout.digest import state_digests
+
+            return {"version": self.version, "tensors": state_digests(publishable_state(self.engine.model))}
 
     def _refuse_older(self, version: int, current: int) -> None:
         """Count and refuse a load that would move the served policy backwards."""
@@ -215,9 +243,17 @@ class RolloutReq(BaseModel):
     seed: int = 0
 
 
-def build_app(worker: RolloutWorker, token: str, model_name: str = "policy") -> Any:
+WORKER_PATHS = frozenset({"/health", "/v1/version", "/v1/load", "/v1/rollout", "/v1/weights/digest"})
+
+
+def build_app(worker: RolloutWorker, token: str, model_name: str = "policy", base: Any = None) -> Any:
     """The FastAPI application serving ``worker`` (worker endpoints plus the OpenAI API); the
-    control endpoints require ``Authorization: Bearer <token>``."""
+    control endpoints require ``Authorization: Bearer <token>``.
+
+    ``base``: an application that already serves the OpenAI API (vLLM's own server, for
+    ``rollout.type: vllm``); requests for the worker endpoints go to ours (its ``/health`` is
+    shadowed), everything else (its lifespan included) to ``base``, and the same guards wrap both,
+    so every non-``GET`` path of it outside the OpenAI API needs the token too."""
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import JSONResponse
 
@@ -226,9 +262,10 @@ def build_app(worker: RolloutWorker, token: str, model_name: str = "policy") -> 
 
     limits = ApiLimits.of(worker.cfg.rollout)
     app = FastAPI(title="deltaloop rollout worker")
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
-    app.add_middleware(ControlAuth, token=token, open_paths=OPENAI_PATHS)  # outermost: before the body is read
-    add_routes(app, OpenAIFrontend(worker.engine, model_name, limits=limits))
+    if base is None:
+        app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+        app.add_middleware(ControlAuth, token=token, open_paths=OPENAI_PATHS)  # outermost: before the body is read
+        add_routes(app, OpenAIFrontend(worker.engine, model_name, limits=limits))
 
     @app.exception_handler(ControlRefused)
     def _refused(_: Request, exc: ControlRefused) -> JSONResponse:
@@ -258,7 +295,25 @@ def build_app(worker: RolloutWorker, token: str, model_name: str = "policy") -> 
     def rollout(req: RolloutReq) -> dict[str, Any]:
         return worker.rollout(req.prompts_key, req.out_key, req.n, req.temperature, req.max_new_tokens, req.seed)
 
-    return app
+    @app.post("/v1/weights/digest")
+    def digest() -> dict[str, Any]:  # POST: it costs a pass over the model, so it takes the token
+        return worker.digests()
+
+    if base is None:
+        return app
+    split = _Split(app, base, WORKER_PATHS)
+    return ControlAuth(BodyLimit(split, max_bytes=limits.max_body_bytes), token=token, open_paths=OPENAI_PATHS)
+
+
+class _Split:
+    """ASGI: HTTP requests for ``paths`` go to ``ours``, everything else to ``base``."""
+
+    def __init__(self, ours: Any, base: Any, paths: frozenset[str]) -> None:
+        self.ours, self.base, self.paths = ours, base, paths
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        target = self.ours if scope["type"] == "http" and scope["path"] in self.paths else self.base
+        await target(scope, receive, send)
 
 
 def main() -> None:
@@ -266,7 +321,6 @@ def main() -> None:
     import uvicorn
 
     from infra.proc import bind_socket
-    from infra.rpc import host_address, publish_address
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", help="RolloutSpec JSON file (default: $DELTALOOP_SPEC).")
@@ -277,15 +331,48 @@ def main() -> None:
 
     token = worker_token()  # from $DELTALOOP_ROLLOUT_TOKEN; no token, no worker
     sock = bind_socket(spec.bind, spec.port)
+    if spec.config.rollout.type == "vllm":
+        asyncio.run(_serve_vllm(spec, token, sock))
+        return
     worker = RolloutWorker(spec)
+    config = uvicorn.Config(build_app(worker, token, spec.model_name), log_level="warning")
+    _announce(worker, spec, sock)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _announce(worker: RolloutWorker, spec: RolloutSpec, sock: Any) -> None:
+    """Publish the worker's address once its model is loaded (it answers ``/health`` moments later)."""
     from infra.gcpause import freeze_startup_objects
+    from infra.rpc import host_address, publish_address
 
     freeze_startup_objects()  # later full GCs skip torch's ~170k import-time objects (~110 ms each)
-    # published once the model is loaded: a reported address answers /health within moments
     host = spec.bind if spec.bind in ("127.0.0.1", "localhost", "::1") else host_address()
     publish_address(worker.store, spec.address_key, host, sock.getsockname()[1])
-    config = uvicorn.Config(build_app(worker, token, spec.model_name), log_level="warning")
-    uvicorn.Server(config).run(sockets=[sock])
+
+
+async def _serve_vllm(spec: RolloutSpec, token: str, sock: Any) -> None:
+    """The worker with vLLM: the engine on this event loop, vLLM's OpenAI server as the base app."""
+    import uvicorn
+
+    from infra.rollout.vllm_engine import openai_app, start_engine
+
+    loop = asyncio.get_running_loop()
+    engines: list[Any] = []
+
+    def factory(rollout_cfg: Any, model: Any, tokenizer: Any) -> Any:  # runs in a thread: waits on the loop
+        engine = asyncio.run_coroutine_threadsafe(
+            start_engine(model, tokenizer, rollout_cfg, spec.config.seed, spec.model_name), loop).result()
+        engines.append(engine)
+        return engine
+
+    try:
+        worker = await asyncio.to_thread(RolloutWorker, spec, factory)
+        app = build_app(worker, token, spec.model_name, base=await openai_app(worker.engine))
+        _announce(worker, spec, sock)
+        await uvicorn.Server(uvicorn.Config(app, log_level="warning")).serve(sockets=[sock])
+    finally:
+        for engine in engines:
+            await engine.aclose()
 
 
 if __name__ == "__main__":

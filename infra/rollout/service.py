@@ -76,6 +76,7 @@ class RolloutService:
         self._restart_lock = threading.Lock()
         self._closed = False
         self._secret = run_secret(self.run_dir)  # read once: the worker's token and our bearer header
+        self._vllm_checked: str | None = None  # the vLLM interpreter that passed its check
 
     @property
     def url(self) -> str:
@@ -94,14 +95,26 @@ class RolloutService:
         bind = "127.0.0.1" if self.cfg.cluster.type == "local" else "0.0.0.0"
         spec = RolloutSpec.build(self.cfg, self.run_id, self.store.uri, self.address_key, self.init_dir, bind)
         spec.write(self.run_dir / "rollout_spec.json")
-        service = ServiceSpec.python(
-            "rollout worker", "infra.rollout.server", [],
-            env={**spec.to_env(), **token_env(self._secret), "PYTHONUNBUFFERED": "1",
-                 "OMP_NUM_THREADS": str(self.cfg.rollout.threads)},
-            log=self._log,
-        )
+        env = {**spec.to_env(), **token_env(self._secret), "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": str(self.cfg.rollout.threads)}
+        if self.cfg.rollout.type == "vllm":  # vLLM's own environment (infra.rollout.vllm_env)
+            service = ServiceSpec(name="rollout worker", argv=[self._vllm_python(), "-m", "infra.rollout.server"],
+                                  env=env, log=self._log)
+        else:
+            service = ServiceSpec.python("rollout worker", "infra.rollout.server", [], env=env, log=self._log)
         self._started = time.time()
         self._handle = create_provider(self.cfg.cluster).launch_service(service)
+
+    def _vllm_python(self) -> str:
+        """vLLM's interpreter, checked once per service (:func:`infra.rollout.vllm_env.check_vllm_python`)."""
+        from infra.rollout.vllm_env import check_vllm_python, vllm_python
+
+        python = vllm_python(self.cfg.rollout.vllm_python)
+        if self._vllm_checked != python:
+            version = check_vllm_python(python)
+            log.info("rollout worker: vLLM %s under %s", version, python)
+            self._vllm_checked = python
+        return python
 
     def wait_ready(self) -> None:
         """Wait until the launched worker reports its port and answers ``/health``.

@@ -24,6 +24,7 @@ as ``eval_masked``).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -242,7 +243,12 @@ def generate_with_model(cfg: RunConfig, model: Any, tokenizer: Any) -> Generate:
     from infra.rollout import create_engine
     from infra.rollout.engine import SamplingParams
 
-    engine = create_engine(cfg.rollout, model.eval(), tokenizer)
+    rollout = cfg.rollout
+    if rollout.type == "vllm" and importlib.util.find_spec("vllm") is None:
+        # vLLM lives in its own environment (the rollout worker's), not the flow's: sample here
+        # with the local engine, same prompts and sampling settings
+        rollout = rollout.model_copy(update={"type": "local"})
+    engine = create_engine(rollout, model.eval(), tokenizer)
 
     def generate(batch: dict[str, Any], n: int, temperature: float, max_new_tokens: int) -> tuple[list[str], float]:
         t0 = time.perf_counter()

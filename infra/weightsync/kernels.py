@@ -32,12 +32,20 @@ __all__ = [
 
 
 def _set_cache_dir() -> None:
-    """Point numba's on-disk cache at ``<repo>/.state/numba`` in a source checkout (unless set)."""
+    """Point numba's on-disk cache at ``<repo>/.state/numba-<numba version>`` in a source checkout
+    (unless set). One folder per numba version: the trainer's environment and vLLM's (which pins an
+    older numba) share the checkout, and a cache index written by another version is discarded and
+    rewritten, so one folder would make each environment recompile (~50 s) after the other ran."""
     if "NUMBA_CACHE_DIR" in os.environ:
         return
     root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").exists():
-        d = root / ".state" / "numba"
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            d = root / ".state" / f"numba-{version('numba')}"
+        except PackageNotFoundError:
+            return
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError:

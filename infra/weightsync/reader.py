@@ -68,8 +68,6 @@ from infra.weightsync.layout import (
     TAIL_SHARD,
     Listing,
     Manifest,
-    TensorEntry,
-    chunk_bounds,
     digest,
     files_key,
     manifest_key,
@@ -79,15 +77,8 @@ from infra.weightsync.layout import (
     version_dir,
 )
 from infra.weightsync.pools import Pools, settle
-from infra.weightsync.rawbytes import (
-    DTYPE_SIZES,
-    bytes_to_tensor,
-    dtype_from_name,
-    dtype_name,
-    tensor_bytes,
-    word_dtype,
-    word_width,
-)
+from infra.weightsync.rawbytes import dtype_from_name, tensor_bytes, word_dtype, word_width
+from infra.weightsync.reader_tensors import check_dtypes, check_have, chunk_ranges, fetched_tensors
 from infra.weightsync.schedule import DecodePipeline, Range, Step, plan_ranges
 from infra.weightsync.validate import default_max_bytes
 from infra.weightsync.warmup import warm_up
@@ -422,10 +413,10 @@ class VersionReader:
         final = self.manifest(goal)
         self._check_chain_layout(start, deltas)
         tensors = start.tensors
-        _check_dtypes(tensors, start_v)
-        bounds = [_chunk_ranges(t.dtype, t.nbytes, start.chunk_bytes) for t in tensors]
+        check_dtypes(tensors, start_v)
+        bounds = [chunk_ranges(t.dtype, t.nbytes, start.chunk_bytes) for t in tensors]
         if have is not None:  # check the caller's tensors before anything is downloaded
-            _check_have(have, tensors, start_v)
+            check_have(have, tensors, start_v)
         steps: list[Step] = []
         if key is not None:
             steps.append((key, "k", start))
@@ -481,7 +472,7 @@ class VersionReader:
             self._pools.get("dec", self.threads), self.io_threads, self.threads, self.budget_bytes,
         ).run(prepare)
         self._verify_untouched(touched, bounds, words, final, have_version)
-        return _outputs(tensors, bufs, have, inplace)
+        return fetched_tensors(tensors, bufs, have, inplace)
 
     def _plan(self, steps: list[Step], from_snapshot: bool) -> list[Range]:
         """:func:`plan_ranges` of ``steps``; its fault (a keyframe manifest without a chunk's
@@ -598,50 +589,3 @@ def _viable(bad: dict[int, set[str]], goal: int, start: int | None, keyframe: bo
         return False
     return not any("d" in bad.get(v, ()) for v in range(start + 1, goal + 1))
 
-
-def _chunk_ranges(dtype: str, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """Word ranges of the chunks of a tensor of ``dtype`` (a manifest dtype name) and ``nbytes``."""
-    width = word_width(DTYPE_SIZES[dtype])
-    return chunk_bounds(nbytes // width, width, chunk_bytes)
-
-
-def _check_dtypes(tensors: list[TensorEntry], version: int) -> None:
-    """Every dtype is one this torch has (else IncompatibleTensors, before anything is allocated)."""
-    for t in tensors:
-        try:
-            dtype_from_name(t.dtype)
-        except ValueError:
-            raise IncompatibleTensors(f"dtype {t.dtype} is not one this torch has", version=version,
-                                      tensor=t.name) from None
-
-
-def _check_have(have: dict[str, "torch.Tensor"], tensors: list[TensorEntry], version: int) -> None:
-    """The caller's tensors have the names, dtypes and shapes of ``version`` (else IncompatibleTensors)."""
-    names = [t.name for t in tensors]
-    if sorted(have) != sorted(names):
-        extra = sorted(set(have) ^ set(names))
-        raise IncompatibleTensors("tensor names differ from the base", version=version, tensor=extra[0])
-    for t in tensors:
-        h = have[t.name]
-        if dtype_name(h.dtype) != t.dtype or list(h.shape) != t.shape:
-            raise IncompatibleTensors(
-                f"have {dtype_name(h.dtype)}{list(h.shape)}, version has {t.dtype}{t.shape}",
-                version=version, tensor=t.name,
-            )
-
-
-def _outputs(tensors: list[TensorEntry], bufs: list[np.ndarray], have: dict[str, "torch.Tensor"] | None,
-             inplace: bool) -> dict[str, "torch.Tensor"]:
-    """The fetched tensors: views of ``bufs``, or with ``inplace`` the caller's own tensors (a
-    tensor that was patched through a copy, being on another device or not contiguous, is written
-    back)."""
-    out: dict[str, "torch.Tensor"] = {}
-    for t, b in zip(tensors, bufs):
-        if inplace and have is not None:
-            h = have[t.name]
-            if not (h.device.type == "cpu" and h.is_contiguous()):  # we patched a copy: write it back
-                h.copy_(bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape)))
-            out[t.name] = h
-        else:
-            out[t.name] = bytes_to_tensor(b, dtype_from_name(t.dtype), tuple(t.shape))
-    return out
