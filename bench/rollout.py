@@ -159,11 +159,13 @@ def compare(name: str, model: Any, tok: Any, prompts: list[str], batch: int, rou
             "max_len": max(lengths, default=0), "continuous": engine.continuous, "load_avg_1m": load_avg()}
 
 
-def vllm_records(name: str, model: Any, tok: Any, prompts: list[str], quick: bool, max_new: int) -> list[dict[str, Any]]:
+def vllm_records(name: str, model: Any, tok: Any, prompts: list[str], quick: bool, max_new: int,
+                 dtype: str = "bfloat16") -> list[dict[str, Any]]:
     """vLLM on the same model, prompts and sampling settings, under vLLM's interpreter
     (:mod:`bench.vllm_rollout`); one record per batch size, or one ``error`` record when vLLM's
-    environment is missing or the run fails. vLLM serves bf16 (its CPU build's fast path); the
-    log-prob errors compare it with the trainer's teacher-forced pass of the same bf16 weights."""
+    environment is missing or the run fails. ``dtype`` is what vLLM computes in (bf16: its CPU
+    build's fast path, the shipped default); the log-prob errors compare it with the trainer's
+    teacher-forced pass (fp32) of the same published bf16 weights."""
     import json
     import subprocess
     import tempfile
@@ -189,7 +191,7 @@ def vllm_records(name: str, model: Any, tok: Any, prompts: list[str], quick: boo
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}"}
         done = subprocess.run([python, "-m", "bench.vllm_rollout", "--folder", str(folder), "--prompts",
                                str(Path(tmp) / "prompts.json"), "--out", str(Path(tmp) / "out.json"),
-                               "--max-new", str(max_new), "--rounds", *rounds],
+                               "--max-new", str(max_new), "--dtype", dtype, "--rounds", *rounds],
                               cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             tail = [ln for ln in done.stderr.splitlines() if ln.strip()][-1:] or ["no output"]
@@ -242,7 +244,8 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
         model, tok, prompts = smollm2_model()
         for batch, rounds in ((1, 3), (32, 2)):
             records.append(compare("smollm2-135m", model, tok, prompts, batch, rounds, max_new=32))
-        records += vllm_records("smollm2-135m", model, tok, prompts, quick, max_new=32)
+        for dtype in ("bfloat16", "float32"):  # bf16 is fast; fp32 shows where the log-prob gap comes from
+            records += vllm_records("smollm2-135m", model, tok, prompts, quick, max_new=32, dtype=dtype)
     result = {"hardware": hardware(), "engine": records, "async": async_section(quick)}
     write_json_atomic(json_path, result, indent=1)
 
@@ -256,14 +259,14 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
                       f"{r['speedup']:.2f}x", f"{r['logprob_max_abs_err']:.1e}",
                       f"{r['min_len']}-{r['max_len']} (mean {r['mean_len']})")
     console.print(table)
-    vtable = Table(title="rollout: vLLM (CPU build, bf16, same prompts and sampling), weights applied in place")
-    for col in ("model", "batch", "tok/s", "logprob err mean / p99", "apply s", "reload s", "reload/apply"):
+    vtable = Table(title="rollout: vLLM (CPU build, same prompts and sampling), weights applied in place")
+    for col in ("model", "dtype", "batch", "tok/s", "logprob err mean / p99", "apply s", "reload s", "reload/apply"):
         vtable.add_column(col)
     for r in (r for r in records if r["backend"] == "vllm"):
         if "error" in r:
-            vtable.add_row(r["model"], "-", "error", r["error"][:80], "", "", "")
+            vtable.add_row(r["model"], "-", "-", "error", r["error"][:80], "", "", "")
             continue
-        vtable.add_row(r["model"], str(r["batch"]), f"{r['tokens_per_s']:.0f}",
+        vtable.add_row(r["model"], r["dtype"], str(r["batch"]), f"{r['tokens_per_s']:.0f}",
                        f"{r['logprob_mean_abs_err']:.4f} / {r['logprob_p99_abs_err']:.4f}",
                        f"{r['apply_version_seconds']:.3f}", f"{r['reload_seconds']:.1f}", f"{r['reload_over_apply']:.0f}x")
     console.print(vtable)

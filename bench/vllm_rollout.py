@@ -42,7 +42,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     prompts: list[str] = json.loads(open(args.prompts).read())
     model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(args.folder)
-    cfg = RolloutConfig(type="vllm")
+    cfg = RolloutConfig(type="vllm", vllm_dtype=args.dtype)
 
     def start() -> tuple[Any, float]:
         t0 = time.perf_counter()
@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--max-new", type=int, default=24)
     parser.add_argument("--lp-temperature", type=float, default=0.8)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     result = _measure(args)
     with open(args.out, "w") as fh:

@@ -144,26 +144,13 @@ def forward(p: dict[str, Any], cfg: dict[str, Any], tokens: Any) -> Any:
 
 def rl_step_pair(params: dict[str, Any], cfg: dict[str, Any], lr: float, steps: int, batch: int, seqlen: int,
                  seed: int) -> tuple[dict[str, Any], dict[str, Any], float]:
-    """bf16 weights before and after the last of ``steps`` AdamW policy-gradient steps."""
-    import torch
-
-    torch.manual_seed(seed)
-    p = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-    opt = torch.optim.AdamW(list(p.values()), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
-    vocab = p["token_embd.weight"].shape[0]
-    before: dict[str, Any] = {}
+    """bf16 weights before and after the last of ``steps`` AdamW policy-gradient steps (the steps of
+    :func:`train_versions`; the time per step includes its bf16 copy)."""
+    versions = train_versions(params, cfg, lr, batch, seqlen, seed)
+    before = after = next(versions)
     t0 = time.perf_counter()
-    for s in range(steps):
-        if s == steps - 1:
-            before = {k: v.detach().to(torch.bfloat16) for k, v in p.items()}
-        tokens = torch.randint(0, vocab, (batch, seqlen))
-        adv = torch.randint(0, 2, (batch,)).float() * 2 - 1
-        logp = forward(p, cfg, tokens[:, :-1]).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        loss = -(adv[:, None] * logp).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    after = {k: v.detach().to(torch.bfloat16) for k, v in p.items()}
+    for _ in range(steps):
+        before, after = after, next(versions)
     return before, after, (time.perf_counter() - t0) / steps
 
 

@@ -106,11 +106,13 @@ class RolloutService:
         self._handle = create_provider(self.cfg.cluster).launch_service(service)
 
     def _vllm_python(self) -> str:
-        """vLLM's interpreter, checked once per service (:func:`infra.rollout.vllm_env.check_vllm_python`)."""
+        """vLLM's interpreter, checked once per service (:func:`infra.rollout.vllm_env.check_vllm_python`)
+        when the worker runs on this host; on another host (``cluster.type`` other than ``local``)
+        the path is the remote one and a broken environment shows as a worker that does not start."""
         from infra.rollout.vllm_env import check_vllm_python, vllm_python
 
         python = vllm_python(self.cfg.rollout.vllm_python)
-        if self._vllm_checked != python:
+        if self.cfg.cluster.type == "local" and self._vllm_checked != python:
             version = check_vllm_python(python)
             log.info("rollout worker: vLLM %s under %s", version, python)
             self._vllm_checked = python

@@ -90,6 +90,10 @@ def test_rollout_logprobs_match_the_trainer(worker: dict[str, Any]) -> None:
                            temperature=0.8, max_new_tokens=12, seed=3)
     doc = get_json(store, run_key(RUN, 1, "rollouts.json"))
     assert info["samples"] == 12 and doc["version"] == service.version()
+    for s in doc["samples"]:  # stop rules as with the local engine: text cut before the stop string,
+        assert "\n" not in s["text"] and len(s["token_ids"]) <= 12  # the completing token kept in token_ids
+        if s["finish_reason"] == "stop":
+            assert "\n" in tok.decode(s["token_ids"]) or s["token_ids"][-1] == tok.eos_token_id
     comps = [Completion(**{k: s[k] for k in ("prompt_index", "text", "token_ids", "logprobs", "finish_reason")})
              for s in doc["samples"]]
     from infra.train.grpo import build_batch, token_logprobs
