@@ -21,9 +21,9 @@ app = typer.Typer(
 
 def _register() -> None:
     """Attach every sub-command module (each defines ``register(app)``)."""
-    from deltaloop import cli_bench, cli_ops, cli_plan, cli_run, cli_sandbox, cli_sync
+    from deltaloop import cli_bench, cli_ops, cli_plan, cli_report, cli_run, cli_sandbox, cli_sync
 
-    for module in (cli_run, cli_sync, cli_sandbox, cli_bench, cli_ops, cli_plan):
+    for module in (cli_run, cli_sync, cli_sandbox, cli_bench, cli_ops, cli_plan, cli_report):
         module.register(app)
 
 

@@ -21,6 +21,7 @@ from prefect import flow
 from evals.registry import require_environments
 from flows.guard import check_deployment_request
 from infra.config import load_config
+from infra.ops.utilisation import phase, pool_window, timed
 from infra.stages.context import prepare_run
 from infra.stages.summary import build_summary, human_summary, record_step, write_summary
 from tasks.evaluate import evaluate
@@ -49,8 +50,8 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
     cluster = None
     status = "FAILED"
     try:
-        cluster = provision(ctx)
-        before = evaluate(ctx, cluster, 0)
+        cluster = timed(ctx.history, "provision", provision, ctx)
+        before = timed(ctx.history, "eval", evaluate, ctx, cluster, 0, step=0)
         last_eval = before
         ahead = None  # async: (rollout, score) futures of the next step, running while this one trains
         for step in range(1, cfg.trainer.steps + 1):
@@ -65,12 +66,17 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
             sync = sync_weights(ctx, cluster, train["publish"]["version"])
             record_step(ctx, step, roll, score, train, sync, time.perf_counter() - t0, stale)
             if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.trainer.steps:
-                last_eval = evaluate(ctx, cluster, step)
-        after = evaluate(ctx, cluster, cfg.trainer.steps) if cfg.trainer.steps else last_eval
-        gate = promote(ctx, cluster, after["key"], cfg.trainer.steps) if cfg.promote.enabled else None
+                last_eval = timed(ctx.history, "eval", evaluate, ctx, cluster, step, step=step)
+        after = timed(ctx.history, "eval", evaluate, ctx, cluster, cfg.trainer.steps) if cfg.trainer.steps else last_eval
+        gate = timed(ctx.history, "promote", promote, ctx, cluster, after["key"], cfg.trainer.steps) \
+            if cfg.promote.enabled else None
         status = "FINISHED"
     finally:
-        teardown(cluster)
+        with phase(ctx.history, "teardown") as row:  # the pool's last window, for utilisation accounting
+            try:
+                row["sandbox_window"] = pool_window(cluster.sandbox if cluster else None)
+            finally:
+                teardown(cluster)
         ctx.tracker.end(status)
     summary = build_summary(ctx, before, after, gate)
     path = write_summary(ctx, summary)

@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from infra.configs.base import Strict
 from infra.configs.cluster import ClusterConfig, HealthConfig, HostSpec, KubernetesConfig, select_hosts
+from infra.configs.cost import CostConfig
 from infra.configs.envs import (ENV_TYPES, AnswerConfig, DatasetEnvConfig, EnvConfig, FuncfitEnvConfig,
                                 HumanEvalEnvConfig, PythonEnvConfig, ReasoningGymEnvConfig, ReasoningGymTask,
                                 default_env_type)
@@ -45,7 +46,7 @@ from infra.configs.train import LoraConfig, TrainerConfig
 from infra.errors import DeltaloopError
 
 __all__ = [
-    "ENV_TYPES", "AnswerConfig", "ClusterConfig", "ConfigError", "DatasetEnvConfig", "EnvConfig", "FuncfitEnvConfig",
+    "ENV_TYPES", "AnswerConfig", "ClusterConfig", "CostConfig", "ConfigError", "DatasetEnvConfig", "EnvConfig", "FuncfitEnvConfig",
     "HumanEvalEnvConfig", "PythonEnvConfig", "ReasoningGymEnvConfig", "ReasoningGymTask", "EvalConfig", "HealthConfig", "HostSpec", "KubernetesConfig",
     "LoopConfig", "LoraConfig", "ModelConfig", "PromoteConfig", "RolloutConfig", "RunConfig", "SandboxConfig",
     "StorageConfig", "TinyModelConfig", "TrackingConfig", "TrainerConfig", "WarmstartConfig", "WeightSyncConfig",
@@ -89,6 +90,7 @@ class RunConfig(Strict):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
 
     @field_validator("env", mode="before")
     @classmethod

@@ -18,12 +18,14 @@ from prefect.cache_policies import NO_CACHE
 from infra.ops.links import run_link_markdown
 from infra.ops.plots import plot_operations
 from infra.ops.report import run_report
+from infra.ops.utilisation_report import utilisation_markdown, utilisation_record
 from infra.stages.context import RunContext
 
 
 @task(name="report", cache_policy=NO_CACHE)
 def report_run(ctx: RunContext, summary: dict[str, Any]) -> str:
-    """Create the run's markdown artifact (step table, eval table, MLflow link); log the plots."""
+    """Create the run's markdown artifact (step table, eval table, utilisation and cost, MLflow link);
+    log the plots."""
     try:
         with tempfile.TemporaryDirectory() as tmp:
             png = plot_operations(ctx.history, Path(tmp) / "operations.png")
@@ -32,6 +34,8 @@ def report_run(ctx: RunContext, summary: dict[str, Any]) -> str:
         get_run_logger().warning("operations plot failed: %s: %s", type(exc).__name__, exc)
     link = run_link_markdown(ctx.tracker.tracking_uri, ctx.tracker.experiment_id, ctx.tracker.run_id)
     md = run_report({**summary, "run_id": ctx.run_id}, ctx.history, link)
+    if "utilisation" in summary:  # where every resource-second and dollar went
+        md += "\n" + utilisation_markdown(utilisation_record({**summary, "run_id": ctx.run_id}))
     ctx.tracker.log_text(md, "report.md")
     key = "run-report-" + "".join(c if c.isalnum() else "-" for c in ctx.run_id.lower())[:80]
     create_markdown_artifact(md, key=key, description=f"deltaloop run {ctx.run_id}")

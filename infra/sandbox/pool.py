@@ -295,6 +295,7 @@ class SandboxPool:
 
     def _attempt(self, job: dict[str, Any], t_submit: float) -> "dict[str, Any] | Failure":
         """One attempt on one sandbox: the reply, or a failure saying whose it is."""
+        t_req = time.monotonic()
         try:
             handle = self._acquire()
         except SandboxError as exc:
@@ -302,6 +303,8 @@ class SandboxPool:
             return Failure("infra", f"no sandbox could be started: {exc}", infra=True,
                             final=isinstance(exc, SandboxUnusable))
         t_acq = time.monotonic()
+        with self._m_lock:
+            self._acquire_s += t_acq - t_req  # a job slot held, waiting for a sandbox (utilisation accounting)
         try:
             reply = handle.call(job, float(job["timeout"]) + self.cfg.kill_grace_s)
         except SandboxDied as exc:
@@ -386,6 +389,7 @@ class SandboxPool:
         t0 = time.monotonic()
         handle = self.runtime.spawn()
         with self._m_lock:
+            self._start_s += time.monotonic() - t0
             self._start_ms.append((time.monotonic() - t0) * 1000)
             self._started_count += 1
         return handle
@@ -486,6 +490,8 @@ class SandboxPool:
         self._started_count = 0
         self._busy_s = 0.0
         self._idle_s = 0.0
+        self._start_s = 0.0
+        self._acquire_s = 0.0
         self._t_metrics = time.monotonic()
 
     def _add_idle_time(self, seconds: float) -> None:
@@ -551,6 +557,10 @@ class SandboxPool:
                 "overhead_p50_ms": _pct(self._overhead_ms, 0.5),
                 "overhead_p99_ms": _pct(self._overhead_ms, 0.99),
                 "idle_sandbox_seconds": idle_s,
+                # sandbox-seconds running a job / starting, and slot-seconds jobs waited for a sandbox
+                "busy_sandbox_seconds": self._busy_s,
+                "start_sandbox_seconds": self._start_s,
+                "acquire_wait_seconds": self._acquire_s,
                 "utilisation": self._busy_s / max(1e-9, self._busy_s + idle_s),
                 "window_s": window,
             }

@@ -103,9 +103,11 @@ def start_trainer_state(ctx: RunContext, trainer: Any, info: dict[str, Any]) -> 
         return first, {"version": first, "kind": "existing", "bytes_written": 0, "raw_bytes": 0, "seconds": 0.0}
     if ctx.cfg.init_from is None and cfg.warmstart.steps > 0:
         ctx.report(f"supervised warm start: {cfg.warmstart.steps} steps")
+        from infra.ops.utilisation import phase
         from infra.stages.warmstart import store_warmstart_examples
 
-        info["warmstart"] = trainer.call("warmstart", examples_key=store_warmstart_examples(ctx))
+        with phase(ctx.history, "warmstart"):  # trainer busy inside start-up (utilisation accounting)
+            info["warmstart"] = trainer.call("warmstart", examples_key=store_warmstart_examples(ctx))
         ctx.report(f"warm start done in {info['warmstart'].get('seconds', 0):.1f}s "
                    f"(loss {info['warmstart'].get('final_loss', float('nan')):.3f})")
     pub = trainer.call("publish")

@@ -12,6 +12,7 @@ from typing import Any
 
 from evals.env import Item, check_unscored
 from evals.registry import cached_environment
+from infra.ops.utilisation import stage_span
 from infra.stages.context import Cluster, RunContext
 from infra.stages.evaluate import prompt_batch, reward_stats
 from infra.storage import get_json, put_json
@@ -36,13 +37,15 @@ def rollout_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any
         return {"key": out_key, "version": meta["version"], "tokens": meta.get("tokens", 0),
                 "seconds": meta.get("seconds", 0.0), "cached": True, "prompts_key": prompts_key,
                 "worker_restarts": int(getattr(cluster.rollout, "restarts", 0))}
+    t_start = time.time()  # wall-clock span of the stage, for utilisation accounting (``span``)
     ctx.store.delete(ctx.key(step, "scores.json"))
     env = cached_environment(cfg.env)
     items = env.train_items(step, cfg.trainer.prompts_per_step)
     put_json(ctx.store, prompts_key, prompt_batch(cfg.env, env, items))
     res = cluster.rollout.rollout(prompts_key, out_key, cfg.trainer.group_size, cfg.rollout.temperature,
                                   cfg.rollout.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
-    return {**res, "prompts_key": prompts_key, "worker_restarts": int(getattr(cluster.rollout, "restarts", 0))}
+    return {**res, "prompts_key": prompts_key, "worker_restarts": int(getattr(cluster.rollout, "restarts", 0)),
+            "span": stage_span(t_start)}
 
 
 def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
@@ -57,6 +60,7 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     out_key = ctx.key(step, "scores.json")
     if ctx.store.exists(out_key):
         return {**get_json(ctx.store, out_key)["summary"], "key": out_key, "cached": True}
+    t_start = time.time()
     rollouts = get_json(ctx.store, ctx.key(step, "rollouts.json"))
     items = [Item.from_json(d) for d in get_json(ctx.store, ctx.key(step, "prompts.json"))["items"]]
     samples = rollouts["samples"]
@@ -91,7 +95,7 @@ def score_batch(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
         summary["sandbox_latency_ms"] = sandbox.get("run_p50_ms", 0.0)
     put_json(ctx.store, out_key, {"rewards": rewards, "reasons": [r.reason for r in results],
                                   "correct": [r.correct for r in results], "masked": masked, "summary": summary})
-    return {**summary, "key": out_key}
+    return {**summary, "key": out_key, "span": stage_span(t_start)}
 
 
 def _train_call(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
@@ -117,12 +121,13 @@ def train_step(ctx: RunContext, cluster: Cluster, step: int) -> dict[str, Any]:
     from infra.stages.provision import restart_trainer
 
     replay: list[int] = []
+    t_start = time.time()
     while True:
         try:
             while replay:
                 _train_call(ctx, cluster, replay[0])
                 replay.pop(0)
-            return _train_call(ctx, cluster, step)
+            return {**_train_call(ctx, cluster, step), "span": stage_span(t_start)}
         except ServiceDied as exc:
             if not exc.retryable:
                 raise
@@ -141,6 +146,7 @@ def sync_weights(ctx: RunContext, cluster: Cluster, version: int) -> dict[str, A
     not answer raises :class:`~infra.rollout.errors.WeightsNotApplied` (retryable: the task retries)."""
     from infra.rollout.errors import RolloutError, WeightsNotApplied
 
+    t_start = time.time()
     res = cluster.rollout.load(version)
     if int(res["version"]) != version and res.get("applied") is False and not res.get("retryable"):
         ctx.report(f"weight version {version} could not be applied ({res.get('error', 'no reason given')}); "
@@ -152,4 +158,4 @@ def sync_weights(ctx: RunContext, cluster: Cluster, version: int) -> dict[str, A
         raise error(f"rollout worker still serves version {res['version']}, not {version}: "
                     f"{res.get('error', 'no reason given')}")
     cluster.version = version
-    return res
+    return {**res, "span": stage_span(t_start)}

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from infra.atomicio import write_json_atomic
+from infra.ops.cost import price_run, run_rates
 from infra.ops.plots import plot_curves
+from infra.ops.utilisation import POOL_KEYS, account, closure
 from infra.stages.context import RunContext
 
 
@@ -20,18 +22,25 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
     result (None when promotion is disabled). Aggregates over the per-step history: sync bytes and
     fraction of a full snapshot, staleness, orchestration overhead, and the samples the sandbox
     infrastructure could not score (masked, left out of the loss), the groups dropped for it and the
-    pool's retries."""
+    pool's retries. Utilisation (:mod:`infra.ops.utilisation`) and cost (:mod:`infra.ops.cost`)
+    cover the window from the run's start to now, the same ``wall_seconds``."""
+    end = time.time()
     steps = [h for h in ctx.history if h["kind"] == "step"]
     fracs = [h["sync_fraction"] for h in steps if h.get("sync_fraction") is not None]
     stale = [h.get("staleness", 0) for h in steps]
     overheads = [h["orchestration_overhead_fraction"] for h in steps if h.get("orchestration_overhead_fraction")]
-    return {**_eval_summary(ctx, before, after),
+    evals = _eval_summary(ctx, before, after)
+    cfg = ctx.cfg
+    util = account(ctx.history, ctx.started, end, cfg.cluster.ranks, cfg.sandbox.concurrency, cfg.sandbox.min_warm)
+    util["sandboxes"]["concurrency"] = cfg.sandbox.concurrency
+    cost = price_run(util, run_rates(cfg), gain=evals["eval_after"] - evals["eval_before"])
+    return {**evals,
         "run_id": ctx.run_id,
         "run_dir": str(ctx.run_dir),
         "mlflow_run_id": ctx.tracker.run_id,
         "tracking_uri": ctx.cfg.resolved_tracking_uri(),
         "store": ctx.store.uri,
-        "wall_seconds": time.time() - ctx.started,
+        "wall_seconds": end - ctx.started,
         "steps": len(steps), "final_weight_version": after["version"],
         "promoted": bool(gate and gate["promoted"]), "model_version": gate["model_version"] if gate else None,
         "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
@@ -44,6 +53,9 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
         "masked_groups_dropped": sum(h.get("masked_groups_dropped") or 0 for h in steps),
         "sandbox_retries": sum(h.get("sandbox_retries") or 0 for h in steps),
         "rollout_worker_restarts": max((h.get("rollout_worker_restarts") or 0 for h in steps), default=0),
+        "utilisation": util, "utilisation_window": [ctx.started, end],
+        "utilisation_closure": closure(util, end - ctx.started),
+        "cost_usd": cost["total_usd"], "cost": cost, "gain_per_dollar": cost.get("gain_per_dollar"),
         "history": ctx.history,
     }
 
@@ -88,6 +100,13 @@ def write_summary(ctx: RunContext, summary: dict[str, Any]) -> Path:
     png = plot_curves(summary["history"], ctx.run_dir / "curves.png")
     ctx.tracker.log_artifact(path)
     ctx.tracker.log_artifact(png, "plots")
+    if "utilisation" in summary:
+        from infra.ops.timeline import plot_timeline
+        from infra.ops.utilisation_report import utilisation_metrics, utilisation_record
+
+        ctx.tracker.log_artifact(plot_timeline(summary, ctx.run_dir / "timeline.png"), "plots")
+        ctx.tracker.log_dict(utilisation_record(summary), "utilisation.json")
+        ctx.tracker.log_metrics(utilisation_metrics(summary), step=summary["steps"])
     return path
 
 
@@ -104,6 +123,10 @@ def human_summary(s: dict[str, Any]) -> str:
         f" — {s.get('gate_reason', '')}",
         f"  MLflow run {s['mlflow_run_id']} at {s['tracking_uri']}",
     ]
+    if s.get("cost") is not None:
+        gpd = s.get("gain_per_dollar")
+        lines.insert(-1, f"  cost ${s['cost_usd']:.4f} (idle ${s['cost']['idle_usd']:.4f}); held-out gain per dollar "
+                         f"{'n/a' if gpd is None else f'{gpd:+.2f}'}; `deltaloop report {s['run_id']}` for the breakdown")
     if s.get("masked_samples") or s.get("eval_masked"):
         lines.insert(-1, f"  not scorable (sandbox infrastructure): {s.get('masked_samples', 0)} training samples masked "
                          f"out of the loss ({s.get('masked_groups_dropped', 0)} groups dropped, "
@@ -146,6 +169,10 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
         "masked_groups_dropped": m.get("masked_groups_dropped", 0), "loss_tokens": m.get("loss_tokens"),
         "rollout_worker_restarts": roll.get("worker_restarts", 0),  # dead rollout workers replaced so far
         "orchestration_overhead_fraction": max(0.0, wall - stage_seconds) / wall if wall > 0 else None,
+        # wall-clock spans of the stages that ran and the pool's seconds (utilisation accounting)
+        "spans": {name: [d["span"]["t0"], d["span"]["t1"]] for name, d in
+                  (("rollout", roll), ("score", score), ("train", train), ("sync", sync)) if d.get("span")},
+        "sandbox_window": {k: float(score["sandbox"].get(k, 0.0)) for k in POOL_KEYS} if score.get("sandbox") and not score.get("cached") else None,
     }
     ctx.history.append(row)
     pool = {f"sandbox_{k}": v for k, v in (score.get("sandbox") or {}).items()}
