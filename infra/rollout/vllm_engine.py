@@ -74,7 +74,7 @@ def write_model_folder(model: Any, tokenizer: Any, folder: str | Path) -> Path:
 def engine_argv(folder: str, cfg: "RolloutConfig", seed: int, model_name: str, max_positions: int) -> list[str]:
     """``vllm serve`` arguments for the rollout engine (CPU: eager mode, no CUDA graphs). The
     context is ``rollout.vllm_max_model_len`` capped at the model's ``max_positions``; the LM head
-    runs in fp32 unless ``rollout.vllm_fp32_head`` is off (vLLM's ``head_dtype`` override)."""
+    runs in fp32 when ``rollout.vllm_fp32_head`` is on (vLLM's ``head_dtype`` override)."""
     import torch
 
     argv = [folder, "--served-model-name", model_name, "--dtype", cfg.vllm_dtype, "--seed", str(seed),
@@ -99,9 +99,7 @@ def parse_engine_args(argv: list[str]) -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-    if getattr(args, "model_tag", None) and not getattr(args, "model", None):
-        args.model = args.model_tag
-    args.model = argv[0]
+    args.model = argv[0]  # the positional model tag, which `vllm serve` copies into --model
     validate_parsed_serve_args(args)
     return args
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from infra.errors import DeltaloopError
 from infra.weightsync.chunks import encode_chunk
 from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.layout import (
@@ -82,8 +83,8 @@ class SnapshotResult:
     error: BaseException | None = None
 
 
-class _Abandoned(Exception):
-    """The lane was told to stop: the snapshot ends without a manifest."""
+class _Abandoned(DeltaloopError):
+    """The lane was told to stop: the snapshot ends without a manifest (caught inside the lane)."""
 
 
 class SnapshotLane:
