@@ -113,15 +113,18 @@ def _hf_generate(model: Any, tok: Any, prompts: list[str], stop_ids: list[int], 
     return total
 
 
-def _logprob_err(model: Any, tok: Any, prompts: list[str], comps: list[Any]) -> float:
+def logprob_gaps(model: Any, tok: Any, prompts: list[str], comps: list[Any], temperature: float = 1.0) -> Any:
+    """|engine log-prob - teacher-forced log-prob| of every sampled token (1-D tensor): the trainer's
+    pass (:func:`infra.train.grpo.token_logprobs`) over ``model`` on its device."""
     import torch
 
     from infra.train.grpo import build_batch, token_logprobs
 
     batch = build_batch(tok, prompts, comps, [0.0] * len(comps))
+    dev = next(model.parameters()).device
     with torch.inference_mode():
-        lp, _ = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0)
-    return float(((lp - batch["old_logprobs"]) * batch["completion_mask"]).abs().max().item())
+        lp, _ = token_logprobs(model, batch["input_ids"].to(dev), batch["attention_mask"].to(dev), temperature)
+    return (lp - batch["old_logprobs"].to(dev)).abs()[batch["completion_mask"].to(dev).bool()].float().cpu()
 
 
 def compare(name: str, model: Any, tok: Any, prompts: list[str], batch: int, rounds: int, max_new: int) -> dict[str, Any]:
@@ -144,7 +147,7 @@ def compare(name: str, model: Any, tok: Any, prompts: list[str], batch: int, rou
         hf = _hf_generate(model, tok, group, stop_ids, max_new, r)
         t2 = time.perf_counter()
         if r == 0:
-            err = max(err, _logprob_err(model, tok, group, comps))
+            err = max(err, float(logprob_gaps(model, tok, group, comps).max()))
             continue
         e_tok += sum(len(c.token_ids) for c in comps)
         lengths += [len(c.token_ids) for c in comps]
@@ -170,13 +173,10 @@ def vllm_records(name: str, model: Any, tok: Any, prompts: list[str], quick: boo
     import subprocess
     import tempfile
 
-    import torch
-
     from infra.model import load_published_state, publishable_state
     from infra.rollout.engine import Completion
     from infra.rollout.vllm_engine import write_model_folder
     from infra.rollout.vllm_env import VllmEnvironmentError, check_vllm_python, vllm_python
-    from infra.train.grpo import build_batch, token_logprobs
 
     python = vllm_python()
     try:
@@ -200,10 +200,7 @@ def vllm_records(name: str, model: Any, tok: Any, prompts: list[str], quick: boo
     served = copy.deepcopy(model)
     load_published_state(served, publishable_state(served))  # the bf16 bits vLLM serves
     comps = [Completion(**s) for s in out["samples"]]
-    batch = build_batch(tok, out["logprob_prompts"], comps, [0.0] * len(comps))
-    with torch.inference_mode():
-        lp, _ = token_logprobs(served, batch["input_ids"], batch["attention_mask"], out["logprob_temperature"])
-    err = (lp - batch["old_logprobs"]).abs()[batch["completion_mask"].bool()]
+    err = logprob_gaps(served, tok, out["logprob_prompts"], comps, out["logprob_temperature"])
     common = {"backend": "vllm", "model": name, "dtype": out["dtype"], "threads": threads,
               "logprob_mean_abs_err": round(float(err.mean()), 5),
               "logprob_p99_abs_err": round(float(err.quantile(0.99)), 5), "logprob_tokens": int(err.numel()),

@@ -28,16 +28,10 @@ MEAN_TOL, P99_TOL = 0.02, 0.1  # vLLM serves bf16; the teacher pass is fp32 over
 
 
 def _teacher_err(model: Any, tok: Any, prompts: list[str], comps: list[Any], temperature: float) -> list[float]:
-    """Mean and 99th percentile of |engine log-prob - teacher-forced log-prob| over sampled tokens."""
-    import torch
+    """Mean and 99th percentile of the per-token log-prob gaps (:func:`bench.rollout.logprob_gaps`)."""
+    from bench.rollout import logprob_gaps
 
-    from infra.train.grpo import build_batch, token_logprobs
-
-    batch = build_batch(tok, prompts, comps, [0.0] * len(comps))
-    dev = next(model.parameters()).device
-    with torch.inference_mode():
-        lp, _ = token_logprobs(model, batch["input_ids"].to(dev), batch["attention_mask"].to(dev), temperature)
-    err = (lp - batch["old_logprobs"].to(dev)).abs()[batch["completion_mask"].to(dev).bool()].float()
+    err = logprob_gaps(model, tok, prompts, comps, temperature)
     return [round(float(err.mean()), 5), round(float(err.quantile(0.99)), 5)]
 
 
