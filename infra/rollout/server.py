@@ -79,13 +79,12 @@ class RolloutWorker:
         # a version is the policy's weights: one declaring more than twice what the loaded model
         # holds (fp32 master copy vs bf16 serving, plus margin) is refused before any allocation
         model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        prefix = run_key(spec.run_id, None, "weights")
-        self.reader = VersionReader(self.store, prefix, threads=cfg.weight_sync.threads,
-                                    max_bytes=2 * model_bytes + (64 << 20))
+        prefix, max_bytes = run_key(spec.run_id, None, "weights"), 2 * model_bytes + (64 << 20)
+        self.reader = VersionReader(self.store, prefix, threads=cfg.weight_sync.threads, max_bytes=max_bytes)
         # engines that fetch versions inside a process of their own (vLLM) get the store there
         self.remote_weights = bool(getattr(self.engine, "remote_weights", False))
         if self.remote_weights:
-            self.engine.attach(spec.store.model_dump(), prefix, cfg.weight_sync.threads, 2 * model_bytes + (64 << 20))
+            self.engine.attach(spec.store.model_dump(), prefix, cfg.weight_sync.threads, max_bytes)
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.load_failures = 0  # loads of a version that could not be applied (the old one kept serving)
