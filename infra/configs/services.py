@@ -71,8 +71,13 @@ class RolloutConfig(Strict):
 class WeightSyncConfig(Strict):
     """How new policy versions travel from trainer to rollout workers."""
 
-    transport: Literal["object_store"] = Field(
-        "object_store", description="object_store: versions in the run's object store."
+    placement: Literal["object_store", "broadcast", "colocated"] = Field(
+        "object_store",
+        description="Where the rollout engine gets each version. object_store: it pulls the delta from "
+        "the run's object store (any distance, late joiners catch up from snapshots); broadcast: rollout "
+        "workers join a torch.distributed group with trainer rank 0 and receive the weights as a "
+        "collective (NCCL on GPUs, gloo on CPU; one cluster); colocated: no rollout worker, the trainer "
+        "ranks generate with the parameters they train (no sync at all).",
     )
     snapshot_chain_fraction: float = Field(
         1.0, ge=0.0, le=100.0,

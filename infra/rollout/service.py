@@ -231,6 +231,10 @@ class RolloutService:
                         raise
                     reason = str(exc)
 
+    def bind_trainer(self, trainer: Any) -> None:
+        """Called once the trainer group is up (and after a replacement); the worker pulls versions
+        from the store and needs nothing from it (placements that do override this)."""
+
     def load(self, version: int | None = None) -> dict[str, Any]:
         """Make the worker serve ``version`` (None = newest published)."""
         res = self._control("/v1/load", {"version": version})

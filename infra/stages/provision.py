@@ -44,7 +44,7 @@ def resolve_init(ctx: RunContext) -> str | None:
 
 def provision(ctx: RunContext) -> Cluster:
     """Start every service and publish the initial policy version. Returns the :class:`Cluster`."""
-    from infra.rollout.service import RolloutService
+    from infra.rollout.placement import create_rollout_service
     from infra.sandbox import create_pool
     from infra.train.service import TrainerService
 
@@ -54,7 +54,7 @@ def provision(ctx: RunContext) -> Cluster:
     cluster = Cluster(trainer=None, rollout=None, sandbox=None)
     try:
         # launch both services first, then wait: their start-up (imports, model build) overlaps
-        cluster.rollout = RolloutService(cfg, ctx.run_id, ctx.store, ctx.run_dir, init_dir, report=ctx.report)
+        cluster.rollout = create_rollout_service(cfg, ctx.run_id, ctx.store, ctx.run_dir, init_dir, report=ctx.report)
         cluster.rollout.launch()
         cluster.trainer = TrainerService(cfg, ctx.run_id, ctx.store, ctx.run_dir, init_dir)
         cluster.trainer.start()
@@ -72,6 +72,7 @@ def provision(ctx: RunContext) -> Cluster:
                        f"all-reduce {health.allreduce_latency_ms:.2f} ms, {health.allreduce_bandwidth_gbps:.2f} GB/s")
         ctx.report(f"trainer up: {cfg.cluster.ranks} rank(s), {cfg.trainer.engine} engine, "
                    f"{info['trainer']['params']:,} parameters")
+        cluster.rollout.bind_trainer(cluster.trainer)
         first_version, pub = start_trainer_state(ctx, cluster.trainer, info)
         load = cluster.rollout.load(first_version)
         cluster.version = int(load["version"])
@@ -145,6 +146,7 @@ def restart_trainer(ctx: RunContext, cluster: Cluster, reason: str) -> dict[str,
     cluster.trainer = TrainerService(ctx.cfg, ctx.run_id, ctx.store, ctx.run_dir, init_dir)
     cluster.trainer.start()
     cluster.trainer.call("init")
+    cluster.rollout.bind_trainer(cluster.trainer)
     restored = cluster.trainer.call("restore")
     if restored["step"] is None:
         raise TrainerRestartsExhausted(f"run {ctx.run_id} has no committed trainer checkpoint to restart from")

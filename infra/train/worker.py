@@ -37,6 +37,8 @@ from infra.errors import DeltaloopError, is_retryable
 from infra.lifeline import exit_with_parent
 from infra.specs import TrainerSpec
 from infra.storage import ObjectStore, get_json, open_store, put_json, run_key
+from infra.train.broadcast_ops import BroadcastOps
+from infra.train.colocated_ops import ColocatedOps
 
 if TYPE_CHECKING:
     from infra.train.grpo import BatchPlan
@@ -61,7 +63,7 @@ def batch_record(rollouts: dict[str, Any], scores: dict[str, Any], prompts: dict
             "batch_sha256": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
 
 
-class Trainer:
+class Trainer(BroadcastOps, ColocatedOps):
     """State of one rank: engine (model + optimizer), step, weights version, publisher (rank 0)."""
 
     def __init__(self, spec: TrainerSpec, store: ObjectStore) -> None:
