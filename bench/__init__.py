@@ -17,4 +17,5 @@ BENCHMARKS: Registry[object] = Registry("benchmark", {
     "train": "bench.train:run",
     "chaos": "bench.chaos:run",
     "sandbox-sim": "bench.sandbox_sim:run",
+    "sync": "bench.sync:run",
 })
