@@ -32,6 +32,7 @@ from infra.configs.envs import (ENV_TYPES, AnswerConfig, DatasetEnvConfig, EnvCo
                                 HumanEvalEnvConfig, PythonEnvConfig, ReasoningGymEnvConfig, ReasoningGymTask,
                                 default_env_type)
 from infra.configs.model import ModelConfig, TinyModelConfig, WarmstartConfig
+from infra.configs.placement import check_colocated
 from infra.configs.services import (
     EvalConfig,
     LoopConfig,
@@ -107,6 +108,7 @@ class RunConfig(Strict):
         if unknown:
             raise ValueError(f"promote.floors names unknown suite(s) {unknown}: use 'main' (the held-out split) "
                              "or a name in eval.suites")
+        check_colocated(self)
         return self
 
     # ----------------------------------------------------------------------------- derived

@@ -78,7 +78,8 @@ def plot_timeline(summary: dict[str, Any], path: str | Path) -> Path:
     start, end = summary["utilisation_window"]
     history = summary["history"]
     concurrency = int(summary["utilisation"]["sandboxes"].get("concurrency", 1))
-    lanes: dict[str, list[Span]] = {**lane_segments(history, start, end, concurrency),
+    colocated = summary["utilisation"]["rollout"]["count"] == 0  # generation on the trainer ranks
+    lanes: dict[str, list[Span]] = {**lane_segments(history, start, end, concurrency, colocated),
                                     "sandboxes": sandbox_lane(history, start, end)}
     zoom = zoom_window(history)
     fig, axes = plt.subplots(2 if zoom else 1, 1, figsize=(12, 6.4 if zoom else 3.4), squeeze=False)

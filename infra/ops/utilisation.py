@@ -36,7 +36,8 @@ Span = tuple[float, float, str]
 
 # per lane: labels from highest to lowest priority, then the default (time no interval covers)
 LANES: dict[str, tuple[tuple[str, ...], str]] = {
-    "trainer": (("train", "warmstart", "evaluation", "startup", "teardown"), "waiting_for_rollouts"),
+    "trainer": (("train", "generate", "eval_generate", "warmstart", "evaluation", "startup", "teardown"),
+                "waiting_for_rollouts"),
     "rollout": (("generate", "load_weights", "eval_generate", "evaluation", "startup", "teardown"),
                 "waiting_for_weights"),
     "orchestrator": (("scoring_queue_wait", "scoring", "waiting_for_services", "evaluation", "startup", "teardown"),
@@ -120,11 +121,15 @@ def sweep(start: float, end: float, spans: list[Span], priority: tuple[str, ...]
     return out
 
 
-def lane_spans(history: list[dict[str, Any]], start: float, end: float, concurrency: int) -> dict[str, list[Span]]:
+def lane_spans(history: list[dict[str, Any]], start: float, end: float, concurrency: int,
+               colocated: bool = False) -> dict[str, list[Span]]:
     """The labelled intervals of the trainer, rollout and orchestrator lanes from the run's history.
 
     ``concurrency`` (the pool's job slots) turns the slot-seconds scoring jobs waited for a sandbox
-    into the wall seconds the orchestrator waited (placed at the start of the score stage)."""
+    into the wall seconds the orchestrator waited (placed at the start of the score stage).
+    ``colocated`` (``weight_sync.placement: colocated``): generation (``generate``, ``eval_generate``)
+    is the trainer ranks' busy time, and the rollout lane, which no resource holds, stays empty."""
+    gen = "trainer" if colocated else "rollout"
     phases = [h for h in history if h.get("kind") == "phase"]
     prov_end = max((h["t1"] for h in phases if h["phase"] == "provision"), default=start)
     td_start = min((h["t0"] for h in phases if h["phase"] == "teardown"), default=end)
@@ -136,16 +141,15 @@ def lane_spans(history: list[dict[str, Any]], start: float, end: float, concurre
         elif h["phase"] in ("eval", "promote"):
             for spans in lanes.values():
                 spans.append((t0, t1, "evaluation"))
-            gen = min(t1 - t0, float(h.get("generate_seconds") or 0.0))
-            lanes["rollout"].append((t0, t0 + gen, "eval_generate"))
+            lanes[gen].append((t0, t0 + min(t1 - t0, float(h.get("generate_seconds") or 0.0)), "eval_generate"))
     for h in history:
         spans = h.get("spans") if h.get("kind") == "step" else None
         for stage, (t0, t1) in (spans or {}).items():
             if stage == "rollout":
-                lanes["rollout"].append((t0, t1, "generate"))
+                lanes[gen].append((t0, t1, "generate"))
             elif stage == "train":
                 lanes["trainer"].append((t0, t1, "train"))
-            elif stage == "sync":
+            elif stage == "sync" and not colocated:  # colocated: a version check, nothing loads
                 lanes["rollout"].append((t0, t1, "load_weights"))
             if stage == "score":
                 wait = min(t1 - t0, float((h.get("sandbox_window") or {}).get("acquire_wait_seconds", 0.0))
@@ -153,13 +157,18 @@ def lane_spans(history: list[dict[str, Any]], start: float, end: float, concurre
                 lanes["orchestrator"] += [(t0, t0 + wait, "scoring_queue_wait"), (t0 + wait, t1, "scoring")]
             else:
                 lanes["orchestrator"].append((t0, t1, "waiting_for_services"))
+    if colocated:
+        lanes["rollout"] = []
     return lanes
 
 
-def lane_segments(history: list[dict[str, Any]], start: float, end: float, concurrency: int) -> dict[str, list[Span]]:
-    """Every lane as consecutive labelled segments tiling ``[start, end]`` (:func:`sweep`)."""
-    spans = lane_spans(history, start, end, concurrency)
-    return {name: sweep(start, end, spans[name], *LANES[name]) for name in LANES}
+def lane_segments(history: list[dict[str, Any]], start: float, end: float, concurrency: int,
+                  colocated: bool = False) -> dict[str, list[Span]]:
+    """Every lane as consecutive labelled segments tiling ``[start, end]`` (:func:`sweep`); with
+    ``colocated`` the rollout lane has none (there is no rollout worker)."""
+    spans = lane_spans(history, start, end, concurrency, colocated)
+    return {name: [] if colocated and name == "rollout" else sweep(start, end, spans[name], *LANES[name])
+            for name in LANES}
 
 
 def buckets(segments: list[Span], count: int) -> dict[str, Any]:
@@ -195,13 +204,16 @@ def sandbox_buckets(windows: list[dict[str, float]], wall: float, concurrency: i
 
 
 def account(history: list[dict[str, Any]], start: float, end: float, ranks: int, concurrency: int,
-            min_warm: int) -> dict[str, Any]:
+            min_warm: int, colocated: bool = False) -> dict[str, Any]:
     """The ``utilisation`` of a run: per resource its count, ``busy_seconds`` (and by kind) and
-    ``idle_seconds`` by cause, in resource-seconds over the window ``[start, end]``."""
-    seg = lane_segments(history, start, end, concurrency)
+    ``idle_seconds`` by cause, in resource-seconds over the window ``[start, end]``. ``colocated``:
+    the trainer ranks generate (busy ``generate`` / ``eval_generate``) and the rollout resource has
+    count 0 (no worker is held, nothing is billed for it)."""
+    seg = lane_segments(history, start, end, concurrency, colocated)
     windows = [h["sandbox_window"] for h in history if h.get("kind") == "step" and h.get("sandbox_window")]
     windows += [h["sandbox_window"] for h in history if h.get("kind") == "phase" and h.get("sandbox_window")]
-    return {"trainer": buckets(seg["trainer"], ranks), "rollout": buckets(seg["rollout"], 1),
+    rollout = _resource(0, {}, {}) if colocated else buckets(seg["rollout"], 1)
+    return {"trainer": buckets(seg["trainer"], ranks), "rollout": rollout,
             "sandboxes": sandbox_buckets(windows, end - start, concurrency, min_warm),
             "orchestrator": buckets(seg["orchestrator"], 1)}
 

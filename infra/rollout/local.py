@@ -185,8 +185,13 @@ class LocalEngine:
         """``n`` completions per prompt, grouped by prompt."""
         return self.generate_ids(encode_prompts(self.tokenizer, prompts), n, params)
 
-    def generate_ids(self, prompt_ids: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, params: SamplingParams,
+                     first_prompt: int = 0) -> list[Completion]:
         """Like :meth:`generate` for already tokenized prompts (e.g. a rendered chat template).
+
+        ``first_prompt``: the index of ``prompt_ids[0]`` in a batch split across engines (the
+        colocated placement's ranks): rows take the stream and ``prompt_index`` of their place in
+        the whole batch, so a slice samples what the whole batch would.
 
         Raises :class:`~infra.rollout.errors.BadRequest` before admission for ids outside the
         vocabulary or prompts too long for the model, and
@@ -196,7 +201,7 @@ class LocalEngine:
         stop_ids = self._stop_ids(params.stop)
         multi = tuple(s for s in params.stop if len(s) > 1)
         rows = [
-            _Row(list(p), params, row_seed(params.seed, i, j), stop_ids, multi)
+            _Row(list(p), params, row_seed(params.seed, first_prompt + i, j), stop_ids, multi)
             for i, p in enumerate(prompt_ids) for j in range(n)
         ]
         req = _Request(rows)
@@ -204,7 +209,7 @@ class LocalEngine:
             r.req = req
         version = self._run(req)
         return [
-            Completion(prompt_index=k // n, text=self._text(r.tokens, params.stop), token_ids=r.tokens,
+            Completion(prompt_index=first_prompt + k // n, text=self._text(r.tokens, params.stop), token_ids=r.tokens,
                        logprobs=r.logprobs, finish_reason=r.reason, version=version)
             for k, r in enumerate(rows)
         ]

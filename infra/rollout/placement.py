@@ -24,6 +24,10 @@ from infra.storage import ObjectStore
 def create_rollout_service(cfg: RunConfig, run_id: str, store: ObjectStore, run_dir: Path,
                            init_dir: str | None = None, report: Callable[[str], None] | None = None) -> Any:
     """The rollout service for ``cfg.weight_sync.placement`` (not launched yet)."""
+    if cfg.weight_sync.placement == "colocated":
+        from infra.rollout.colocated import ColocatedRollout
+
+        return ColocatedRollout(cfg, run_id, store, run_dir, init_dir, report=report)
     from infra.rollout.service import RolloutService
 
     return RolloutService(cfg, run_id, store, run_dir, init_dir, report=report)

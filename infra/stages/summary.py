@@ -31,7 +31,8 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
     overheads = [h["orchestration_overhead_fraction"] for h in steps if h.get("orchestration_overhead_fraction")]
     evals = _eval_summary(ctx, before, after)
     cfg = ctx.cfg
-    util = account(ctx.history, ctx.started, end, cfg.cluster.ranks, cfg.sandbox.concurrency, cfg.sandbox.min_warm)
+    util = account(ctx.history, ctx.started, end, cfg.cluster.ranks, cfg.sandbox.concurrency, cfg.sandbox.min_warm,
+                   colocated=cfg.weight_sync.placement == "colocated")
     util["sandboxes"]["concurrency"] = cfg.sandbox.concurrency
     cost = price_run(util, run_rates(cfg), gain=evals["eval_after"] - evals["eval_before"])
     return {**evals,

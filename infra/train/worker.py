@@ -172,6 +172,8 @@ class Trainer(BroadcastOps, ColocatedOps):
 
         If that version is already committed (a replay after a restart), it is not written again: the
         replayed weights are bit-identical to the ones published before the failure."""
+        if self.cfg.weight_sync.placement == "colocated":  # no sync: the ranks generate with these parameters
+            return self._colocated_publish()
         t0 = time.perf_counter()
         target = self.weights_version + 1
         exists = [False]

@@ -1,0 +1,46 @@
+"""Cross-section rules of ``weight_sync.placement`` (called by :class:`infra.config.RunConfig`'s validator).
+
+``colocated`` generates on the trainer ranks with the parameters they train
+(:mod:`infra.rollout.colocated`), so it refuses what would need another engine, another copy of the
+weights or generation overlapping training:
+
+- ``rollout.type: vllm``: vLLM runs in its own environment and process, with its own weights;
+- ``trainer.engine: fsdp`` and DeepSpeed ``zero_stage: 3``: each rank holds a shard of the
+  parameters, and sampling would need them gathered every decode step;
+- ``trainer.lora.enabled``: the rank's module is the adapter-wrapped model, which the sampler's
+  fused forward does not read;
+- ``loop.mode: async``: the batch for step t+1 is generated while step t trains, on the same ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def colocated_problems(cfg: Any) -> list[str]:
+    """What in ``cfg`` (a :class:`~infra.config.RunConfig`) ``weight_sync.placement: colocated``
+    cannot run with, one line each naming the setting (empty for any other placement)."""
+    if cfg.weight_sync.placement != "colocated":
+        return []
+    where = "weight_sync.placement=colocated generates on the trainer ranks with their own parameters"
+    out = []
+    if cfg.rollout.type != "local":
+        out.append(f"rollout.type={cfg.rollout.type!r}: {where}, with the local engine only "
+                   "(use placement object_store or broadcast for vLLM)")
+    t = cfg.trainer
+    if t.engine == "fsdp" or (t.engine == "deepspeed" and t.zero_stage == 3):
+        setting = "trainer.engine='fsdp'" if t.engine == "fsdp" else "trainer.zero_stage=3"
+        out.append(f"{setting}: {where}, which needs every parameter whole on every rank "
+                   "(use engine torch or deepspeed zero_stage 1/2)")
+    if t.lora.enabled:
+        out.append(f"trainer.lora.enabled=true: {where}; LoRA adapters are not supported there")
+    if cfg.loop.mode == "async":
+        out.append(f"loop.mode='async': {where}, so generation cannot overlap training (use loop.mode=sync)")
+    return out
+
+
+def check_colocated(cfg: Any) -> None:
+    """Raise ``ValueError`` listing :func:`colocated_problems` (pydantic reports it as a config error)."""
+    problems = colocated_problems(cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
