@@ -1,13 +1,19 @@
 """The MLflow model registry: versions with lineage tags, and the ``champion`` alias.
 
-A promoted policy is a Hugging Face safetensors folder logged as the ``model`` artifact of the
-MLflow run, registered as a model version whose tags carry its lineage (run, step, weight version,
-eval scores, sandbox image, config hash) and its gate decision. Aliases (MLflow 3) mark the
-champion; the previous champion is remembered in a tag so ``rollback`` can restore it.
+A promoted policy is logged as the ``model`` artifact of the MLflow run in MLflow's
+``transformers`` flavour (:func:`save_mlflow_model`: ``MLmodel``, ``model/`` = a complete Hugging
+Face safetensors folder, ``components/tokenizer/``, pinned requirements), and registered as a model
+version whose tags carry its lineage (run, step, weight version, eval scores, sandbox image, config
+hash) and its gate decision. Aliases (MLflow 3) mark the champion; the previous champion is
+remembered in a tag so ``rollback`` can restore it.
 
 Loading the champion needs nothing from deltaloop:
+``mlflow.pyfunc.load_model("models:/NAME@champion")`` (a ``text-generation`` pipeline; ``mlflow
+models serve -m models:/NAME@champion`` serves it), or
 ``mlflow.artifacts.download_artifacts("models:/NAME@champion")`` then
-``AutoModelForCausalLM.from_pretrained(folder)``.
+``AutoModelForCausalLM.from_pretrained(folder + "/model")``. The weights are stored once: the
+flavour's ``model/`` folder is what :meth:`Registry.download` returns. Versions registered before
+the flavour (a bare Hugging Face folder) download as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +23,48 @@ from pathlib import Path
 from typing import Any
 
 PREVIOUS_TAG = "deltaloop.previous_champion"
+FLAVOUR_TASK = "text-generation"
+# generation settings a pyfunc / ``mlflow models serve`` caller may pass as ``params`` (and defaults)
+PYFUNC_PARAMS: dict[str, Any] = {"max_new_tokens": 64, "do_sample": False, "temperature": 1.0, "top_p": 1.0}
+
+
+def save_mlflow_model(hf_folder: str | Path, dst: str | Path, card: str = "") -> Path:
+    """Write ``hf_folder`` (an exported safetensors policy) as an MLflow ``transformers`` model at ``dst``.
+
+    The model is opened from local files only (safetensors, no remote code) and saved once, by
+    MLflow, under ``dst/model``; the tokenizer is written there too, so that folder alone opens with
+    ``from_pretrained``. Requirements are pinned to this environment (no inference run) and the
+    model card is ``card``, so nothing is fetched from a hub. (MLflow 3.17's save from a checkpoint
+    *path* fails under transformers 5, hence the pipeline object.)
+    """
+    import mlflow
+    import mlflow.transformers
+    import tokenizers
+    import torch
+    import transformers
+    from huggingface_hub import ModelCard
+    from mlflow.models import infer_signature
+
+    src, out = str(hf_folder), Path(dst)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True, trust_remote_code=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src, local_files_only=True, dtype="auto", use_safetensors=True, trust_remote_code=False)
+    pipe = transformers.pipeline(FLAVOUR_TASK, model=model, tokenizer=tokenizer)
+    reqs = [f"mlflow=={mlflow.__version__}", f"transformers=={transformers.__version__}",
+            f"tokenizers=={tokenizers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+    signature = infer_signature(["text"], ["text"], params=PYFUNC_PARAMS)
+    model_card = ModelCard(f"---\nlibrary_name: transformers\n---\n{card or 'deltaloop policy'}\n")
+    mlflow.transformers.save_model(pipe, str(out), signature=signature, pip_requirements=reqs, model_card=model_card)
+    tokenizer.save_pretrained(str(out / "model"))
+    return out
+
+
+def hf_folder(downloaded: str | Path) -> Path:
+    """The Hugging Face folder inside a downloaded version: ``model/`` of the MLflow flavour, or
+    the folder itself for a version registered as a bare Hugging Face folder."""
+    path = Path(downloaded)
+    inner = path / "model"
+    return inner if (path / "MLmodel").is_file() and (inner / "config.json").is_file() else path
 
 
 @dataclass
@@ -108,7 +156,8 @@ class Registry:
         return current.version, prev
 
     def download(self, ref: str, dst: str | Path) -> str:
-        """Download a version's model folder. ``ref``: an alias, a version number or a models:/ URI."""
+        """Download a version and return its Hugging Face folder (:func:`hf_folder`). ``ref``: an
+        alias, a version number or a models:/ URI."""
         import mlflow.artifacts
 
         if ref.startswith("models:/"):
@@ -124,9 +173,9 @@ class Registry:
         Path(dst).mkdir(parents=True, exist_ok=True)
         if mv.source.startswith("runs:/"):
             run_id, _, path = mv.source[len("runs:/"):].partition("/")
-            return self.client.download_artifacts(run_id, path, str(dst))
-        return mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst),
-                                                   tracking_uri=self.tracking_uri)
+            return str(hf_folder(self.client.download_artifacts(run_id, path, str(dst))))
+        return str(hf_folder(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst),
+                                                                 tracking_uri=self.tracking_uri)))
 
     def versions(self) -> list[VersionInfo]:
         """All versions, newest first."""

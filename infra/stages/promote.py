@@ -1,4 +1,5 @@
-"""*promote*: register the final policy with its lineage and move ``champion`` only if the gate says so.
+"""*promote*: register the final policy (MLflow transformers flavour, :func:`infra.registry.save_mlflow_model`)
+with its lineage and move ``champion`` only if the gate says so.
 
 The candidate is always registered (so a rejected model can still be inspected and promoted by
 hand); its ``deltaloop.status`` tag says ``promoted`` or ``rejected`` and ``deltaloop.reason`` why.
@@ -16,11 +17,12 @@ from __future__ import annotations
 import json
 import tempfile
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from evals.gate import GateDecision, check_suite_regressions, suite_rewards, veto_regressions
 from infra.config import RunConfig
-from infra.registry import Registry
+from infra.registry import Registry, save_mlflow_model
 from infra.stages.context import Cluster, RunContext
 from infra.stages.evaluate import run_suites, suite_report_key
 from infra.stages.gate import gate_rewards, unscored_problems
@@ -79,7 +81,10 @@ def promote(ctx: RunContext, cluster: Cluster, final_eval_key: str, step: int, s
     ctx.tracker.log_dict(report, "eval/final.json")
     model_dir = ctx.run_dir / "model"
     cluster.trainer.call("export", path=str(model_dir))
-    ctx.tracker.log_artifacts(model_dir, "model")
+    with tempfile.TemporaryDirectory(dir=ctx.run_dir) as tmp:  # MLflow's transformers flavour, logged once
+        card = f"# deltaloop policy\n\nrun {ctx.run_id}, step {step}"
+        flavoured = save_mlflow_model(model_dir, Path(tmp) / "model", card)
+        ctx.tracker.log_artifacts(flavoured, "model")
     reg = Registry(cfg.resolved_tracking_uri(), cfg.tracking.registered_model)
     decision, champ_version = gate_against_champion(cfg, reg, report)
     tags = {

@@ -201,8 +201,8 @@ def test_champion_loads_with_transformers_from_registry(served: Served, tmp_path
     finally:
         mlflow.set_tracking_uri("")
         mlflow.set_registry_uri("")
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(Path(folder) / "model")  # the transformers flavour's folder
+    tok = AutoTokenizer.from_pretrained(Path(folder) / "model")
     ids = tok("f(x)=", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=4, do_sample=False)
