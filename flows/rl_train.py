@@ -3,7 +3,8 @@
 Each bracketed step is the loop train step → sync weights → rollout batch → score in sandboxes,
 entered at the rollout: version 1 (the warm-started policy) is already served after provision, so
 no rollout is wasted after the last update. Services are torn down in ``finally``, on success,
-failure or cancellation.
+failure or cancellation. The run first queues for its cluster capacity (``trainer-slots`` and
+``rollout-slots``, :mod:`flows.capacity`) and gives it back after teardown.
 
 ``resume`` re-enters the same loop: every stage returns its stored output, the trainer replays from
 its checkpoint, and batches a crash left generated but untrained (async mode) are trained as they
@@ -19,6 +20,7 @@ from typing import Any
 from prefect import flow
 
 from evals.registry import require_environments
+from flows.capacity import hold_capacity
 from flows.guard import check_deployment_request
 from infra.config import load_config
 from infra.ops.utilisation import phase, pool_window, timed
@@ -46,6 +48,12 @@ def rl_train(config: str = "configs/demo.yaml", overrides: list[str] | None = No
     check_deployment_request(config, overrides, resume)
     cfg = load_config(config, overrides or [])
     require_environments(cfg, config)
+    with hold_capacity("train"):  # queues while the cluster is full; released after teardown
+        return _run(cfg, resume)
+
+
+def _run(cfg: Any, resume: str | None) -> dict[str, Any]:
+    """The run itself, once its capacity is held."""
     ctx = prepare_run(cfg, resume)
     cluster = None
     status = "FAILED"
