@@ -104,6 +104,10 @@ class RunConfig(Strict):
             pass  # allowed on GPU hosts; checked at provision time
         if self.trainer.engine == "deepspeed" and self.trainer.zero_stage == 0:
             raise ValueError("trainer.zero_stage must be 1, 2 or 3 when trainer.engine is 'deepspeed'")
+        if self.weight_sync.placement == "broadcast" and self.rollout.type != "local":
+            raise ValueError(f"weight_sync.placement 'broadcast' needs rollout.type 'local' (got {self.rollout.type!r}): "
+                             "vLLM applies versions inside its own model process, which does not join the group; "
+                             "use weight_sync.placement 'object_store' with vLLM")
         unknown = sorted(set(self.promote.floors) - {"main", *(s.name for s in self.eval.suites)})
         if unknown:
             raise ValueError(f"promote.floors names unknown suite(s) {unknown}: use 'main' (the held-out split) "

@@ -76,8 +76,14 @@ class WeightSyncConfig(Strict):
         description="Where the rollout engine gets each version. object_store: it pulls the delta from "
         "the run's object store (any distance, late joiners catch up from snapshots); broadcast: rollout "
         "workers join a torch.distributed group with trainer rank 0 and receive the weights as a "
-        "collective (NCCL on GPUs, gloo on CPU; one cluster); colocated: no rollout worker, the trainer "
+        "collective (gloo over TCP, on GPU hosts too, from the trainer's CPU copies; one cluster); "
+        "colocated: no rollout worker, the trainer "
         "ranks generate with the parameters they train (no sync at all).",
+    )
+    broadcast_timeout_s: float = Field(
+        60.0, gt=0.0, le=86400.0,
+        description="broadcast: longest wait of one collective of the trainer-worker group (joining it, one "
+        "bucket of a version); a peer that died or stalled fails the sync after this long instead of hanging it.",
     )
     snapshot_chain_fraction: float = Field(
         1.0, ge=0.0, le=100.0,

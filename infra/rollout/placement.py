@@ -28,6 +28,10 @@ def create_rollout_service(cfg: RunConfig, run_id: str, store: ObjectStore, run_
         from infra.rollout.colocated import ColocatedRollout
 
         return ColocatedRollout(cfg, run_id, store, run_dir, init_dir, report=report)
+    if cfg.weight_sync.placement == "broadcast":
+        from infra.rollout.broadcast_service import BroadcastRolloutService
+
+        return BroadcastRolloutService(cfg, run_id, store, run_dir, init_dir, report=report)
     from infra.rollout.service import RolloutService
 
     return RolloutService(cfg, run_id, store, run_dir, init_dir, report=report)

@@ -19,6 +19,8 @@ refused (409) and counted in ``refused_older``.
 
 Endpoints: ``GET /health``, ``GET /v1/version``, ``POST /v1/load``, ``POST /v1/rollout``,
 ``POST /v1/weights/digest`` (per-tensor sha256 of the weights served, :mod:`infra.rollout.digest`),
+``POST /v1/broadcast/join`` and ``/v1/broadcast/load`` (versions received from trainer rank 0 instead
+of the store, ``weight_sync.placement: broadcast``: :mod:`infra.rollout.broadcast_link`),
 and the OpenAI-compatible ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (:mod:`infra.rollout.openai_api`; served model name ``spec.model_name``, default ``policy``) for
 agent harnesses and multi-turn environments. OpenAI requests do not take the worker lock: they join
@@ -87,6 +89,9 @@ class RolloutWorker:
             self.engine.attach(spec.store.model_dump(), prefix, cfg.weight_sync.threads, max_bytes)
         self._tensors: dict[str, Any] | None = None
         self._lock = threading.Lock()
+        from infra.rollout.broadcast_link import BroadcastLink
+
+        self.broadcast = BroadcastLink(self, spec.bind, max_bytes)  # weight_sync.placement: broadcast
         self.load_failures = 0  # loads of a version that could not be applied (the old one kept serving)
         self.refused_older = 0  # loads refused because the version was older than the one served
         self.last_load_error: str | None = None
@@ -229,6 +234,23 @@ class LoadReq(BaseModel):
     version: int | None = Field(None, ge=1)
 
 
+class BroadcastJoinReq(BaseModel):
+    """Body of ``POST /v1/broadcast/join``: the group's address (from trainer rank 0) and this worker's rank."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: dict[str, Any]
+    rank: int = Field(1, ge=1, le=65535)
+
+
+class BroadcastLoadReq(BaseModel):
+    """Body of ``POST /v1/broadcast/load``: the version trainer rank 0 sends now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(..., ge=1)
+
+
 class RolloutReq(BaseModel):
     """Body of ``POST /v1/rollout``: where the prompts are, where to write, how to sample."""
 
@@ -242,7 +264,8 @@ class RolloutReq(BaseModel):
     seed: int = 0
 
 
-WORKER_PATHS = frozenset({"/health", "/v1/version", "/v1/load", "/v1/rollout", "/v1/weights/digest"})
+WORKER_PATHS = frozenset({"/health", "/v1/version", "/v1/load", "/v1/rollout", "/v1/weights/digest",
+                          "/v1/broadcast/join", "/v1/broadcast/load"})
 
 
 def build_app(worker: RolloutWorker, token: str, model_name: str = "policy", base: Any = None) -> Any:
@@ -289,6 +312,14 @@ def build_app(worker: RolloutWorker, token: str, model_name: str = "policy", bas
             return worker.load(req.version)
         except LookupError as exc:
             raise HTTPException(409, str(exc)) from exc
+
+    @app.post("/v1/broadcast/join")
+    def broadcast_join(req: BroadcastJoinReq) -> dict[str, Any]:
+        return worker.broadcast.join(req.address, req.rank)
+
+    @app.post("/v1/broadcast/load")
+    def broadcast_load(req: BroadcastLoadReq) -> dict[str, Any]:
+        return worker.broadcast.load(req.version)
 
     @app.post("/v1/rollout")
     def rollout(req: RolloutReq) -> dict[str, Any]:
