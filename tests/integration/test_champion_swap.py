@@ -1,0 +1,139 @@
+"""The champion served under load while the alias moves (issue #19).
+
+Two tiny policies are registered (nothing trained), ``champion`` points at the first, and the
+champion server (``python -m infra.ops.champion_server``, the process ``deltaloop serve --champion``
+starts) serves it. Twenty client threads send ``/v1/chat/completions`` for 60 s while the test
+promotes the second version and later rolls back, both with the ``deltaloop`` CLI. Every request
+must be answered (200), each answer's version (header and ``weight_version``) must be the alias's
+version at some moment between the request's start minus the server's reaction time (poll interval
+plus the swap it recorded) and its end, both moves must be followed, and the server's pid must not
+change. Latency and swap times are printed (``-s``), not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.config import load_config
+from infra.ops.champion_server import VERSION_HEADER
+from infra.proc import ServiceSpec, spawn, wait_until
+from tests.integration.champion_models import register_policies
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS, DURATION_S, POLL_S = 20, 60.0, 1.0
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def _client(base: str, stop: threading.Event, out: list[dict[str, Any]], k: int) -> None:
+    body = json.dumps({"model": "deltaloop-policy", "messages": [{"role": "user", "content": f"client {k}"}],
+                       "max_tokens": 8, "temperature": 1.0}).encode()
+    while not stop.is_set():
+        t0 = time.time()
+        rec: dict[str, Any] = {"start": t0}
+        try:
+            req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                doc = json.loads(resp.read())
+                rec.update(status=resp.status, header=resp.headers.get(VERSION_HEADER),
+                           body_version=str(doc.get("weight_version")))
+        except Exception as exc:  # recorded: the test asserts there is none
+            rec.update(status=getattr(exc, "code", None), error=f"{type(exc).__name__}: {exc}")
+        rec["end"] = time.time()
+        out.append(rec)
+
+
+def _cli(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "deltaloop.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+@pytest.mark.slow
+def test_served_champion_follows_promote_and_rollback_without_dropping_a_request(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    cfg = load_config(ROOT / "configs/demo.yaml", [f"run_root={root}"])
+    uri = cfg.resolved_tracking_uri()
+    v1, v2 = register_policies(uri, root, cfg.tracking.registered_model, experiment=cfg.tracking.experiment)
+    _cli("promote", v1, "--set", f"run_root={root}")
+    state = tmp_path / "champion.json"
+    proc = spawn(ServiceSpec.python("champion", "infra.ops.champion_server", [
+        "--tracking-uri", uri, "--model", cfg.tracking.registered_model, "--port", "0", "--poll", str(POLL_S),
+        "--threads", "1", "--workdir", str(tmp_path / "served"), "--state-file", str(state)],
+        log=str(tmp_path / "champion.log")))
+    try:
+        wait_until(lambda: state.exists(), 180, proc.dead_reason, "champion server")
+        port = json.loads(state.read_text())["port"]
+        base = f"http://127.0.0.1:{port}"
+        pid = _get(f"{base}/health")["pid"]
+        assert _get(f"{base}/v1/models")["data"][0]["version"] == v1
+        records: list[dict[str, Any]] = []
+        stop = threading.Event()
+        threads = [threading.Thread(target=_client, args=(base, stop, records, k)) for k in range(CLIENTS)]
+        began = time.time()
+        for t in threads:
+            t.start()
+        moves = [(0.0, 0.0, v1)]  # (before the command, after it, version): the alias moves in between
+        time.sleep(15)
+        t0 = time.time()
+        _cli("promote", v2, "--reason", "champion swap test", "--set", f"run_root={root}")
+        moves.append((t0, time.time(), v2))
+        wait_until(lambda: _get(f"{base}/health")["version"] == v2, 60, proc.dead_reason, "swap to v2")
+        time.sleep(max(0.0, began + 35 - time.time()))
+        t0 = time.time()
+        _cli("rollback", "--set", f"run_root={root}")
+        moves.append((t0, time.time(), v1))
+        wait_until(lambda: _get(f"{base}/health")["version"] == v1, 60, proc.dead_reason, "swap back to v1")
+        time.sleep(max(0.0, began + DURATION_S - time.time()))
+        stop.set()
+        for t in threads:
+            t.join(90)
+        health = _get(f"{base}/health")
+    finally:
+        proc.terminate(timeout=20)
+    _check(records, moves, health, pid, v1, v2, tmp_path)
+
+
+def _check(records: list[dict[str, Any]], moves: list[tuple[float, float, str]], health: dict[str, Any], pid: int,
+           v1: str, v2: str, tmp_path: Path) -> None:
+    failed = [r for r in records if r.get("status") != 200]
+    assert not failed, (len(failed), failed[:3], (tmp_path / "champion.log").read_text()[-3000:])
+    assert health["pid"] == pid  # no restart
+    swaps = [s for s in health["swaps"] if s["from"] is not None]
+    assert [(s["from"], s["to"]) for s in swaps] == [(v1, v2), (v2, v1)]
+    lag = POLL_S + max(s["seconds"] for s in swaps) + 1.0
+
+    # the alias held moves[i]'s version at most from moves[i]'s command start to moves[i+1]'s end
+    spans = [(m[0], moves[i + 1][1] if i + 1 < len(moves) else float("inf"), m[2]) for i, m in enumerate(moves)]
+    for r in records:
+        assert r["header"] == r["body_version"], r
+        allowed = {v for lo, hi, v in spans if lo <= r["end"] and hi >= r["start"] - lag}
+        assert r["header"] in allowed, (r, moves, lag)
+    served = [r["header"] for r in sorted(records, key=lambda r: r["start"])]
+    assert served[0] == v1 and v2 in served and served[-1] == v1
+    lat = [r["end"] - r["start"] for r in records]
+    near = [r["end"] - r["start"] for r in records for at, _, _ in moves[1:] if at <= r["start"] <= at + lag]
+    print(f"\nrequests {len(records)} in {DURATION_S:.0f}s by {CLIENTS} clients, failed 0; swaps "
+          f"{[s['seconds'] for s in swaps]} s; latency p50 {statistics.median(lat) * 1e3:.0f} ms p99 "
+          f"{_pct(lat, 0.99) * 1e3:.0f} ms; within a swap window ({len(near)}): p50 "
+          f"{statistics.median(near) * 1e3:.0f} ms p99 {_pct(near, 0.99) * 1e3:.0f} ms")
