@@ -43,8 +43,17 @@ def serve(
     no_deploy: bool = typer.Option(False, "--no-deploy", help="Do not deploy prefect.yaml."),
     auth_file: Path | None = typer.Option(None, "--auth-file", help="File holding 'user:password' (mode 600) for the "
                                    "Prefect API and MLflow; default: $PREFECT_SERVER_API_AUTH_STRING."),
+    champion: bool = typer.Option(False, "--champion", help="Also serve MODEL@ALIAS over an OpenAI-compatible "
+                                  "endpoint that follows the alias (promote, rollback) without a restart."),
+    champion_port: int = typer.Option(8000, help="Champion endpoint port (0 = any free port)."),
+    champion_model: str = typer.Option("deltaloop-policy", help="Registered model to serve "
+                                       "(tracking.registered_model)."),
+    champion_alias: str = typer.Option("champion", help="Alias to follow."),
+    champion_engine: str = typer.Option("local", help="local (torch, CPU or one GPU) or vllm (vLLM's server, GPUs)."),
+    champion_poll: float = typer.Option(2.0, min=0.1, help="Seconds between reads of the alias."),
 ) -> None:
-    """Start Prefect server + worker + MLflow server, deploy prefect.yaml, print URLs; Ctrl-C stops all.
+    """Start Prefect server + worker + MLflow server (+ the champion endpoint with --champion), deploy
+    prefect.yaml, print URLs; Ctrl-C stops all.
 
     The auth string comes from a file or the environment, never from the command line (``ps`` shows
     argv to every user); without one, only loopback addresses are served."""
@@ -55,7 +64,10 @@ def serve(
         opts = ServeOptions(host=host, prefect_port=prefect_port, mlflow_port=mlflow_port, run_root=run_root,
                             prefect_db=prefect_db or None, mlflow_backend=mlflow_backend or None,
                             mlflow_artifacts=mlflow_artifacts or None, worker=not no_worker,
-                            deploy=not no_deploy, worker_limit=worker_limit, api_auth_string=auth)
+                            deploy=not no_deploy, worker_limit=worker_limit, api_auth_string=auth,
+                            champion=champion, champion_port=champion_port, champion_model=champion_model,
+                            champion_alias=champion_alias, champion_engine=champion_engine,
+                            champion_poll_s=champion_poll)
         code = serve_forever(opts, say=lambda m: typer.echo(m, err=True))
     except ServeError as exc:
         typer.echo(f"serve: {exc}", err=True)

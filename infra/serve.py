@@ -8,7 +8,10 @@ Starts, on loopback by default, each as a child process in its own process group
    ``<run_root>/mlartifacts``), so flows need no tracking server to be up and the UI shows every
    run; ``--mlflow-backend`` / ``--mlflow-artifacts`` take a Postgres URI / an ``s3://`` root
    instead (then configs set ``tracking.uri`` to the server's URL);
-3. the ``deltaloop-process`` work pool, ``prefect deploy --all`` of ``prefect.yaml``, and a worker.
+3. with ``champion`` (``--champion``), the champion server (:mod:`infra.ops.champion_server`): the
+   registered model's ``champion`` alias over an OpenAI-compatible endpoint, read through this MLflow
+   server and swapped to the new version whenever the alias moves;
+4. the ``deltaloop-process`` work pool, ``prefect deploy --all`` of ``prefect.yaml``, and a worker.
 
 It then prints the URLs and waits. Ctrl-C (SIGINT) or SIGTERM stops every child — worker first,
 so running flow runs are cancelled while the servers are still up — by process group, then kills
@@ -19,9 +22,12 @@ Auth: with an auth string ``user:password`` (from ``PREFECT_SERVER_API_AUTH_STRI
 never from the command line, so ``ps`` never shows it) the Prefect API requires it as HTTP basic
 auth, and MLflow runs as its ``basic-auth`` app with ``user`` as admin (password from the same
 string), so an anonymous request cannot read runs or move the registry alias that gates
-production. Without one, ``serve`` binds loopback only. Each child gets only the secrets it needs:
+production; the champion endpoint takes the same string as HTTP basic auth or, for OpenAI
+clients, the bearer key derived from it (written to ``<state>/champion-api-key``, mode 600).
+Without one, ``serve`` binds loopback only. Each child gets only the secrets it needs:
 the servers their own settings, the worker (and so every flow run) the client credentials
-(``PREFECT_API_AUTH_STRING``, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``). The process work pool is
+(``PREFECT_API_AUTH_STRING``, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``), the champion server the
+MLflow client credentials and the auth string it checks (``DELTALOOP_CHAMPION_AUTH``). The process work pool is
 created with a base job template that fixes the command, environment and working directory and
 forbids other job variables, so a flow run created through the API cannot change what the worker
 executes (Prefect answers 422).
@@ -34,6 +40,7 @@ it, the server is started again on a fresh port (twice at most).
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import signal
@@ -59,8 +66,9 @@ AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"
 # never inherited by a child: each gets the ones its role needs (_child_env)
 SECRET_ENVS = ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME",
                "MLFLOW_TRACKING_PASSWORD", "MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD",
-               "MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_AUTH_CONFIG_PATH")
+               "MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_AUTH_CONFIG_PATH", "DELTALOOP_CHAMPION_AUTH")
 MIN_PASSWORD = 12  # MLflow's minimum for a user's password
+CHAMPION_AUTH_ENV = "DELTALOOP_CHAMPION_AUTH"  # the auth string the champion server checks (never argv)
 # The process pool's base job template: command, env and working_dir are fixed (the worker's own
 # environment, the default command, the directory the deployment was made in); only harmless
 # variables are templated and no others are accepted, so a flow run's job_variables cannot run a
@@ -97,6 +105,12 @@ class ServeOptions:
     worker: bool = True
     worker_limit: int = 1  # concurrent flow runs; each run starts its own trainer/rollout/sandboxes
     api_auth_string: str | None = None  # "user:password": basic auth on the Prefect API and MLflow (admin)
+    champion: bool = False  # also serve NAME@alias over the OpenAI API (infra.ops.champion_server)
+    champion_port: int = 8000  # 0 = any free port
+    champion_model: str = "deltaloop-policy"  # registered model name (tracking.registered_model)
+    champion_alias: str = "champion"
+    champion_engine: str = "local"  # local (CPU / one GPU) or vllm (vLLM's server; its interpreter)
+    champion_poll_s: float = 2.0  # seconds between reads of the alias
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -150,6 +164,12 @@ def read_auth(auth_file: Path | None, environ: Mapping[str, str] | None = None) 
     return text
 
 
+def champion_api_key(auth: str) -> str:
+    """The champion endpoint's bearer key for the auth string ``auth`` (hex; an OpenAI client's
+    ``api_key``): derived, so it opens neither the Prefect API nor MLflow."""
+    return derive_key(auth.encode(), "champion-api").hex()
+
+
 def _bin(name: str) -> str:
     """The console script next to this interpreter (the venv's), else on PATH."""
     local = Path(sys.executable).parent / name
@@ -195,6 +215,8 @@ class Stack:
                 self._wait_server(name, ports, auto_port=wanted == 0)
             if self.auth:
                 self._check_mlflow_admin()
+            if o.champion:
+                self._start_champion()
             template = self.state_dir / "process-pool.json"
             write_json_atomic(template, LOCKED_PROCESS_TEMPLATE, indent=2)
             self._cli("work pool", [_bin("prefect"), "work-pool", "create", o.pool, "--type", "process",
@@ -234,6 +256,9 @@ class Stack:
             return self.env
         if name == "prefect-server":
             return {**self.env, AUTH_ENV: ":".join(self.auth)}
+        if name == "champion":
+            env = {k: v for k, v in self.env.items() if k != "PREFECT_API_AUTH_STRING"}
+            return {**env, CHAMPION_AUTH_ENV: ":".join(self.auth)}
         if name == "mlflow-server":
             env = {k: v for k, v in self.env.items() if not k.startswith("MLFLOW_TRACKING_")}
             return {**env, "MLFLOW_AUTH_CONFIG_PATH": str(self.state_dir / "mlflow-auth.ini"),
@@ -290,6 +315,29 @@ class Stack:
             ports[name] = free_port(self.opts.host)
             self._set_env(ports)
             self._spawn(name, self._server_cmd(name, ports[name]))
+
+    def _start_champion(self) -> None:
+        """Start the champion server on the MLflow server's registry; wait until it answers."""
+        o = self.opts
+        port = _port(o.host, o.champion_port, "champion") if o.champion_port else 0
+        state = self.state_dir / "champion.json"
+        state.unlink(missing_ok=True)
+        self._spawn("champion", [sys.executable, "-m", "infra.ops.champion_server", "--tracking-uri",
+                                 self.urls["mlflow_ui"], "--model", o.champion_model, "--alias", o.champion_alias,
+                                 "--host", o.host, "--port", str(port), "--engine", o.champion_engine,
+                                 "--poll", str(o.champion_poll_s), "--workdir", str(self.state_dir / "champion"),
+                                 "--state-file", str(state)])
+        proc = self.procs["champion"]
+        try:
+            wait_until(lambda: state.exists(), 300, proc.dead_reason, "champion server", interval=0.5)
+        except ServiceDied as exc:
+            raise ServeError(f"{exc}\n{proc.tail()}") from None
+        url = f"http://{o.host}:{json.loads(state.read_text())['port']}"
+        self._wait_http("champion", f"{url}/health", 60)
+        self.urls["champion"] = f"{url}/v1"
+        if self.auth:
+            write_atomic(self.state_dir / "champion-api-key", champion_api_key(":".join(self.auth)) + "\n",
+                         mode=0o600)
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         # no lifeline: DELTALOOP_PARENT_PID would reach flow runs and tie their services to this process
@@ -389,6 +437,9 @@ def serve_forever(opts: ServeOptions, say: Callable[[str], None] = print) -> int
         say(f"Prefect UI   {urls['prefect_ui']}")
         say(f"Prefect API  {urls['prefect_api']}")
         say(f"MLflow UI    {urls['mlflow_ui']}   (tracking store: {opts.mlflow_backend or stack.run_root / 'mlflow.db'})")
+        if "champion" in urls:
+            say(f"champion     {urls['champion']}   (OpenAI API: {opts.champion_model}@{opts.champion_alias}, "
+                f"follows the alias)")
         say(f"work pool    {opts.pool} ({'worker running' if opts.worker else 'no worker'}); "
             f"deployments: rl-train/rl-train, retrain/retrain, eval-gate/eval-gate")
         say("auth: the Prefect API and MLflow require the auth string (HTTP basic)" if stack.auth

@@ -27,7 +27,8 @@ are loaded the process holds both (twice the model's memory for the few seconds 
 
 Auth follows ``deltaloop serve`` (:mod:`infra.serve`): with an auth string ``user:password`` in
 ``$DELTALOOP_CHAMPION_AUTH`` (never argv) every path but ``/health`` needs either HTTP basic auth
-with that string or ``Authorization: Bearer <key>``, the key being :func:`api_key` of the string
+with that string or ``Authorization: Bearer <key>``, the key being
+:func:`infra.serve.champion_api_key` of the string
 (what an OpenAI client passes as ``api_key``; it cannot be used against Prefect or MLflow). Without
 one the server refuses any non-loopback address. Registry reads use MLflow's own client
 credentials (``MLFLOW_TRACKING_USERNAME``/``PASSWORD``).
@@ -50,7 +51,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from infra.backends import Registry as BackendRegistry
 from infra.errors import DeltaloopError
-from infra.secrets import derive_key
+from infra.serve import CHAMPION_AUTH_ENV as AUTH_ENV
+from infra.serve import champion_api_key as api_key
+from infra.serve import is_loopback
 
 if TYPE_CHECKING:
     from infra.config import RolloutConfig
@@ -59,8 +62,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERSION_HEADER = "x-deltaloop-model-version"
-AUTH_ENV = "DELTALOOP_CHAMPION_AUTH"
-API_KEY_PURPOSE = "champion-api"
 ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
@@ -68,11 +69,6 @@ class ChampionError(DeltaloopError):
     """The champion server cannot start as asked (bad address, no auth off loopback)."""
 
     retryable = False
-
-
-def api_key(auth: str) -> str:
-    """The bearer key of the champion endpoint for the serve auth string ``auth`` (hex)."""
-    return derive_key(auth.encode(), API_KEY_PURPOSE).hex()
 
 
 @dataclass(eq=False)
@@ -315,7 +311,6 @@ async def serve(args: argparse.Namespace) -> None:
     from infra.config import RolloutConfig
     from infra.proc import bind_socket
     from infra.registry import Registry
-    from infra.serve import is_loopback
 
     auth = os.environ.pop(AUTH_ENV, None) or None
     if auth is None and not is_loopback(args.host):
