@@ -26,7 +26,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from infra.errors import DeltaloopError
 from infra.storage import get_json, put_json
+
+
+class VersionMismatch(DeltaloopError):
+    """A colocated rollout asked for a weights version the ranks do not hold (not retryable)."""
+
+    retryable = False
 
 
 def prompt_slice(total: int, rank: int, world: int) -> tuple[int, int]:
@@ -71,9 +78,11 @@ class ColocatedOps:
         return self._colocated_engine
 
     def op_colocated_rollout(self, prompts_key: str, out_key: str, n: int, temperature: float,
-                             max_new_tokens: int, seed: int) -> dict[str, Any]:
+                             max_new_tokens: int, seed: int, version: int | None = None) -> dict[str, Any]:
         """Collective: generate ``n`` samples per prompt of ``prompts_key``, this rank its slice; rank 0
-        writes ``out_key`` and answers like the rollout worker's ``/v1/rollout``.
+        writes ``out_key`` and answers like the rollout worker's ``/v1/rollout``. ``version``: the
+        weights version the flow synced last (refused with :class:`VersionMismatch` if the ranks
+        hold another one; None: no check).
 
         The request is checked on every rank before any generation (the same keys and prompts on
         all ranks, so all refuse alike); a failure while generating is gathered and raised on every
@@ -83,6 +92,9 @@ class ColocatedOps:
         from infra.rollout.guard import check_rollout_key
         from infra.rollout.server import _prompt_batch
 
+        if version is not None and version != self.weights_version:
+            raise VersionMismatch(f"colocated rollout asked for weights version {version}; the trainer ranks hold "
+                                  f"version {self.weights_version}")
         check_rollout_key(self.run_id, prompts_key, "prompts_key")
         check_rollout_key(self.run_id, out_key, "out_key")
         prompts, render, stop = _prompt_batch(get_json(self.store, prompts_key), prompts_key)

@@ -72,12 +72,17 @@ def test_load_checks_the_version_the_trainer_holds(tmp_path: Path) -> None:
     svc.bind_trainer(group)
     assert svc.load(3) == {"version": 3, "applied": True, "seconds": 0.0, "bytes": 0}
     assert svc.load(None)["version"] == 3 and svc.served == 3
-    with pytest.raises(ColocatedError, match="cannot serve weight version 2: the trainer ranks hold version 3"):
-        svc.load(2)
+    with pytest.raises(ColocatedError, match="cannot serve weight version 4: the trainer ranks hold version 3"):
+        svc.load(4)
     svc.rollout("runs/r1/step-000001/prompts.json", "runs/r1/step-000001/rollouts.json", 4, 1.0, 16, seed=7)
     assert group.calls[-1] == ("colocated_rollout", {
         "prompts_key": "runs/r1/step-000001/prompts.json", "out_key": "runs/r1/step-000001/rollouts.json",
-        "n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 7})
+        "n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 7, "version": 3})
+    # a resumed run replaying stored batches syncs versions the restored trainer is past: acknowledged,
+    # and the next rollout carries that version, which the ranks refuse until they hold it again
+    assert svc.load(2)["version"] == 2
+    svc.rollout("runs/r1/step-000002/prompts.json", "runs/r1/step-000002/rollouts.json", 4, 1.0, 16, seed=7)
+    assert group.calls[-1][1]["version"] == 2
 
 
 @pytest.mark.parametrize("total, world", [(64, 2), (7, 3), (2, 4), (1, 1)])
@@ -138,3 +143,35 @@ def test_colocated_generation_is_trainer_busy_and_no_rollout_resource() -> None:
     assert "| trainer | 2 |" in md and "| rollout | 0 | 0.0 |" in md
     separate = account(_history(), 0.0, 100.0, ranks=2, concurrency=2, min_warm=2)
     assert separate["rollout"]["count"] == 1 and "generate" not in separate["trainer"]["busy_by_kind"]
+
+
+def test_one_rank_op_writes_the_workers_rollouts_object(tmp_path: Path) -> None:
+    """The op on a single rank (no process group needed at world 1): the rollouts object has the
+    rollout worker's fields, every sample the held version; another version is refused."""
+    pytest.importorskip("transformers")
+    from evals.registry import cached_environment
+    from infra.model import load_policy
+    from infra.stages.evaluate import prompt_batch
+    from infra.storage import get_json, put_json
+    from infra.train.colocated_ops import ColocatedOps, VersionMismatch
+
+    cfg = load_config(DEMO, ["weight_sync.placement=colocated", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
+                             "model.tiny.intermediate_size=64", "model.tiny.num_heads=2"])
+    rank = ColocatedOps()
+    model, tok = load_policy(cfg.model, seed=0)
+    rank.cfg, rank.store, rank.run_id, rank.rank, rank.world = cfg, open_store(f"file://{tmp_path}"), "r1", 0, 1
+    rank.model, rank.tokenizer, rank.weights_version, rank.step = model.train(), tok, 2, 1
+    env = cached_environment(cfg.env)
+    put_json(rank.store, "runs/r1/step-000001/prompts.json", prompt_batch(cfg.env, env, env.train_items(1, 3)))
+    out = rank.op_colocated_rollout("runs/r1/step-000001/prompts.json", "runs/r1/step-000001/rollouts.json", 2, 1.0,
+                                    8, seed=3, version=2)
+    doc = get_json(rank.store, "runs/r1/step-000001/rollouts.json")
+    assert {"version", "group_size", "prompts", "prompt_ids", "samples", "seconds", "tokens"} <= set(doc)
+    assert out["samples"] == len(doc["samples"]) == 6 and doc["version"] == out["version"] == 2
+    assert [s["prompt_index"] for s in doc["samples"]] == [0, 0, 1, 1, 2, 2]
+    assert {s["version"] for s in doc["samples"]} == {2} and doc["ranks"][0]["prompts"] == [0, 3]
+    assert model.training  # generation switched the module to eval and back
+    with pytest.raises(VersionMismatch, match="asked for weights version 3; the trainer ranks hold version 2"):
+        rank.op_colocated_rollout("runs/r1/step-000001/prompts.json", "runs/r1/step-000001/x.json", 2, 1.0, 8,
+                                  seed=3, version=3)
+    assert rank._colocated_publish()["bytes_written"] == 0 and rank.weights_version == 3
