@@ -60,7 +60,7 @@ class BroadcastRolloutService(RolloutService):
         self._bind()
 
     def _bind(self) -> None:
-        addr = self.trainer.call("broadcast_open", world=2, timeout_s=self.timeout_s)["address"]
+        addr = self.trainer.call("broadcast_open", world=2, group_timeout_s=self.timeout_s)["address"]
         joined: dict[str, Any] = {}
         with ThreadPoolExecutor(1, thread_name_prefix="broadcast-join") as pool:
             fut = pool.submit(self.trainer.call, "broadcast_join", timeout_s=self.timeout_s + 60)

@@ -38,7 +38,7 @@ class BroadcastOps:
             self._bc_rendezvous.close()
         self._bc_sender = self._bc_rendezvous = None
 
-    def op_broadcast_open(self, world: int, timeout_s: float) -> dict[str, Any]:
+    def op_broadcast_open(self, world: int, group_timeout_s: float) -> dict[str, Any]:
         """Rank 0: host the rendezvous of a fresh group of ``world`` ranks (this one + the workers)."""
         from infra.weightsync.broadcast import device_host, open_rendezvous
 
@@ -46,7 +46,7 @@ class BroadcastOps:
             return {}
         self._bc_close()
         bind = self._bc_bind()
-        self._bc_rendezvous = open_rendezvous(bind, device_host(bind), int(world), float(timeout_s))
+        self._bc_rendezvous = open_rendezvous(bind, device_host(bind), int(world), float(group_timeout_s))
         return {"address": self._bc_rendezvous.address.to_json()}
 
     def op_broadcast_join(self) -> dict[str, Any]:
