@@ -18,20 +18,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infra.rollout.errors import ControlRefused
 
-if TYPE_CHECKING:
-    from infra.rollout.server import RolloutWorker
-
 log = logging.getLogger(__name__)
+
+
+def device_host(bind: str) -> str:
+    """The address a broadcast group member's connections use: loopback when its service binds
+    loopback (a local cluster), else the host's own address (:func:`infra.rpc.host_address`, as for
+    the trainer's control channel). Trainer rank 0 and the rollout worker both use it."""
+    from infra.rpc import host_address
+
+    return "127.0.0.1" if bind in ("127.0.0.1", "localhost") else host_address()
 
 
 class BroadcastLink:
     """The worker's membership of a broadcast group (at most one at a time)."""
 
-    def __init__(self, worker: "RolloutWorker", bind: str, max_bytes: int) -> None:
+    def __init__(self, worker: Any, bind: str, max_bytes: int) -> None:
+        """``worker``: the :class:`~infra.rollout.server.RolloutWorker` whose engine is fed."""
         self.worker, self.bind, self.max_bytes = worker, bind, max_bytes
         self.receiver: Any = None
         self._lock = threading.Lock()  # join and load, one at a time (the worker lock guards the engine)
@@ -40,7 +47,7 @@ class BroadcastLink:
         """Join the group at ``address`` as ``rank`` (blocks until every rank joined, or its timeout)."""
         from infra.rollout.errors import BadRequest
         from infra.weightsync.broadcast import (BadGroupAddress, BroadcastFailed, BroadcastGroup, GroupAddress,
-                                                Receiver, device_host)
+                                                Receiver)
 
         if self.worker.remote_weights:
             raise ControlRefused("this engine applies versions in its own process: weight_sync.placement "

@@ -40,7 +40,8 @@ class BroadcastOps:
 
     def op_broadcast_open(self, world: int, group_timeout_s: float) -> dict[str, Any]:
         """Rank 0: host the rendezvous of a fresh group of ``world`` ranks (this one + the workers)."""
-        from infra.weightsync.broadcast import device_host, open_rendezvous
+        from infra.rollout.broadcast_link import device_host
+        from infra.weightsync.broadcast import open_rendezvous
 
         if self.rank != 0:  # type: ignore[attr-defined]
             return {}
@@ -52,7 +53,8 @@ class BroadcastOps:
     def op_broadcast_join(self) -> dict[str, Any]:
         """Rank 0: join the opened group as its sender; returns once every worker joined (or raises
         :class:`~infra.weightsync.broadcast.BroadcastFailed` after the group's timeout)."""
-        from infra.weightsync.broadcast import BroadcastFailed, BroadcastGroup, Sender, device_host
+        from infra.rollout.broadcast_link import device_host
+        from infra.weightsync.broadcast import BroadcastFailed, BroadcastGroup, Sender
 
         if self.rank != 0:  # type: ignore[attr-defined]
             return {}

@@ -140,14 +140,6 @@ def open_rendezvous(bind: str, advertise: str, world: int, timeout_s: float) -> 
     return Rendezvous(store, GroupAddress(advertise, port, world, secrets.token_hex(16), float(timeout_s)))
 
 
-def device_host(bind: str) -> str:
-    """The address this process's group connections use: loopback when the service binds loopback,
-    else the host's own address (:func:`infra.rpc.host_address`, as for the trainer's control channel)."""
-    from infra.rpc import host_address
-
-    return "127.0.0.1" if bind in ("127.0.0.1", "localhost") else host_address()
-
-
 # -------------------------------------------------------------------------------------- group
 class BroadcastGroup:
     """One rank of a broadcast group. Joining blocks until every rank joined (or the timeout)."""
