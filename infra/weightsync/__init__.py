@@ -48,6 +48,8 @@ The package, in reading order (each module's docstring says what it does and why
 ``rawbytes.py``          tensors as unsigned words of their raw bytes; bit-exact compare
 ``pools.py``             thread pools kept across calls, and settling abandoned work
 ``warmup.py``            :func:`warm_up`: compile or load every kernel before the first sync
+``broadcast.py``         ``weight_sync.placement: broadcast``: trainer rank 0 sends whole bf16
+                         versions to the rollout workers over a gloo group of their own
 =======================  ===========================================================================
 
 ``infra/gcpause.py`` holds the cyclic garbage collector off during ``publish`` and ``fetch``.
