@@ -34,7 +34,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the whole pipeline locally (Prefect's own server unless PREFECT_API_URL is set).
 
-        Prints progress on stderr; the last line on stdout is the path of summary.json.
+        Prints progress on stderr; the last line on stdout is the path of summary.json. With a Prefect
+        server (PREFECT_API_URL) the run first queues for cluster capacity (trainer-slots,
+        rollout-slots) and says on stderr what it waits for (docs/operations.md, "Capacity").
         """
         from infra.config import ConfigError, load_config
 
