@@ -2,6 +2,8 @@
 
 It resolves the champion to a pinned version and runs ``rl-train`` as a subflow with
 ``init_from`` set, so the usual promotion gate decides whether the retrained model replaces it.
+That subflow queues for cluster capacity like any training run, behind waiting eval-gate runs
+(:mod:`flows.capacity`).
 """
 
 from __future__ import annotations
