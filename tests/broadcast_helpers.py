@@ -33,7 +33,7 @@ def fingerprint(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def receiver(inbox: Any, rank: int, mode: str, q: Any) -> None:
-    """Join the group whose address arrives on ``inbox`` as ``rank`` and act out ``mode``: ``ok`` receives versions 1, 2 and a not-held 3;
+    """Join the group whose address arrives on ``inbox`` as ``rank`` and act out ``mode``: ``ok`` receives versions 1, 2, a not-held 3 and 4;
     ``mismatch`` expects a different layout for version 1 then takes version 2; ``die`` joins and
     exits at once; ``stall`` joins and never receives; ``wait`` receives once (its sender dies)."""
     from infra.weightsync.broadcast import BroadcastGroup, GroupAddress, Receiver
@@ -59,10 +59,11 @@ def receiver(inbox: Any, rank: int, mode: str, q: Any) -> None:
         got = rx.receive(2)
         q.put(("got", rank, (got.version, fingerprint(got.tensors or {}))))
         rx.receive(3)
+        rx.receive(4)
         return
     t0 = time.monotonic()
     try:
-        for v in ((1, 2, 3) if mode == "ok" else (1,)):
+        for v in ((1, 2, 3, 4) if mode == "ok" else (1,)):
             got = rx.receive(v)
             q.put(("got", rank, (got.version, fingerprint(got.tensors) if got.tensors else None, got.held, got.bytes)))
     except Exception as exc:

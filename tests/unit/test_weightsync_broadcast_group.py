@@ -46,32 +46,24 @@ def _stop(rv: Any, group: Any, procs: list[Any]) -> None:
 
 def test_receivers_get_the_bits_sent_bucket_by_bucket() -> None:
     rv, group, procs, q = _start(["ok", "ok"])
+    v1, v2 = versions()
+    master = {k: t.float() * 1.001 for k, t in v1.items()}  # fp32, cast by the sender as Tensor.to rounds
     try:
         sender = Sender(group, bucket_bytes=4096)  # ~5 buckets per version
-        v1, v2 = versions()
-        infos = [sender.send(1, v1), sender.send(2, v2), sender.send(3, None)]
-        got = sorted((q.get(timeout=60) for _ in range(6)), key=lambda m: (m[1], m[2][0]))
+        infos = [sender.send(1, v1), sender.send(2, v2), sender.send(3, None),
+                 sender.send(4, master, cast=torch.bfloat16)]
+        got = sorted((q.get(timeout=60) for _ in range(8)), key=lambda m: (m[1], m[2][0]))
     finally:
         _stop(rv, group, procs)
     assert infos[0]["buckets"] > 1 and infos[0]["held"] and not infos[2]["held"]
     for rank in (1, 2):
         mine = [m[2] for m in got if m[1] == rank]
-        assert [m[0] for m in mine] == [1, 2, 3]
+        assert [m[0] for m in mine] == [1, 2, 3, 4]
         assert mine[0][1] == fingerprint(v1) and mine[1][1] == fingerprint(v2)
         assert mine[0][3] == infos[0]["bytes"]  # both ends count the same bytes on the wire
         assert mine[2][1] is None and mine[2][2] is False  # not held: nothing but the header
+        assert mine[3][1] == fingerprint({k: t.to(torch.bfloat16) for k, t in master.items()})
     assert infos[0]["raw_bytes"] == sum(t.numel() * 2 for t in v1.values())
-
-
-def test_sender_casts_fp32_to_the_bf16_bits_of_to() -> None:
-    rv, group, procs, q = _start(["wait"])
-    try:
-        master = {k: t.float() * 1.001 for k, t in versions()[0].items()}
-        Sender(group).send(1, master, cast=torch.bfloat16)
-        kind, _rank, payload = q.get(timeout=60)
-    finally:
-        _stop(rv, group, procs)
-    assert kind == "got" and payload[1] == fingerprint({k: t.to(torch.bfloat16) for k, t in master.items()})
 
 
 def test_a_receiver_with_another_layout_fails_alone_and_stays_in_step() -> None:
@@ -82,7 +74,8 @@ def test_a_receiver_with_another_layout_fails_alone_and_stays_in_step() -> None:
         sender.send(1, v1)
         sender.send(2, v2)
         sender.send(3, None)
-        msgs = [q.get(timeout=60) for _ in range(5)]
+        sender.send(4, v1)
+        msgs = [q.get(timeout=60) for _ in range(6)]
     finally:
         _stop(rv, group, procs)
     errors = [m for m in msgs if m[0] == "error"]
