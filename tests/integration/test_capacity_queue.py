@@ -141,9 +141,12 @@ def test_three_runs_on_capacity_for_one_run_one_after_another(served: Served) ->
     _ui_shows_waiting(served, waiting[0])
 
     # cancel the holder: its teardown gives the capacity back; the next run takes it
+    cancelled_at = time.time()
     served.post(f"flow_runs/{first}/set_state", {"state": {"type": "CANCELLING"}, "force": True})
     first_done = wait(served.api, first, timeout=180, auth=AUTH)
     second = _holder(served, ids, {first})
+    handover = min(_logs(served, second, "capacity acquired")).timestamp() - cancelled_at
+    print(f"cancel of the holder -> next run holds the capacity: {handover:.1f}s")
     assert min(_logs(served, second, "capacity acquired")) >= max(_logs(served, first, "capacity acquired"))
     assert _logs(served, first, "capacity released"), "the cancelled run did not give its capacity back"
 
