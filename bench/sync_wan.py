@@ -34,13 +34,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -217,6 +220,23 @@ def summarize(out: dict[str, Any], lr: float, readers: int, rtt_ms: float, link_
     }
 
 
+@contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises SystemExit meanwhile, so the links and their processes are torn down."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def records(quick: bool, readers: int = 4, rtt_ms: float = 40.0, link_mbps: float = 50.0,
             versions: int | None = None, lrs: tuple[float, ...] | None = None,
             log: Any = print, done: Any = None) -> list[dict[str, Any]]:
@@ -234,7 +254,7 @@ def records(quick: bool, readers: int = 4, rtt_ms: float = 40.0, link_mbps: floa
     mem_bw = memory_bandwidth()
     freeze_startup_objects()  # the trainer process does this too (infra.gcpause)
     out: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-sync-") as d, \
+    with _exit_on_sigterm(), tempfile.TemporaryDirectory(prefix="bench-sync-") as d, \
             WanLinks(clients=readers + 1, rtt_ms=rtt_ms, rate=link_mbps * 1e6) as links, \
             moto_server(netns=links.server_ns, keep_alive=True) as (_host, port):
         endpoints = links.start_relays(port, d)
