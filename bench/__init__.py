@@ -18,4 +18,5 @@ BENCHMARKS: Registry[object] = Registry("benchmark", {
     "chaos": "bench.chaos:run",
     "sandbox-sim": "bench.sandbox_sim:run",
     "sync": "bench.sync:run",
+    "champion": "bench.champion:run",
 })

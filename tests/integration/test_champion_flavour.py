@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.champion import register_policies
 from infra.model import load_policy
 from infra.config import ModelConfig
 from infra.proc import free_port
 from infra.registry import Registry
-from tests.integration.champion_models import register_policies
 
 URI = "models:/deltaloop-policy@champion"
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.champion import register_policies
 from infra.proc import descendants
 from infra.registry import Registry
-from tests.integration.champion_models import register_policies
 
 ROOT = Path(__file__).resolve().parents[2]
 USER, PASSWORD = "deltaloop", "champion-secret-for-tests"

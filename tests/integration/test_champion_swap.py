@@ -12,49 +12,21 @@ change. Latency and swap times are printed (``-s``), not asserted.
 
 from __future__ import annotations
 
-import json
-import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.champion import POLL_S, client, get, latency, register_policies, start_server
 from infra.config import load_config
-from infra.ops.champion_server import VERSION_HEADER
-from infra.proc import ServiceSpec, spawn, wait_until
-from tests.integration.champion_models import register_policies
+from infra.proc import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIENTS, DURATION_S, POLL_S = 20, 60.0, 1.0
-
-
-def _get(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return dict(json.loads(resp.read()))
-
-
-def _client(base: str, stop: threading.Event, out: list[dict[str, Any]], k: int) -> None:
-    body = json.dumps({"model": "deltaloop-policy", "messages": [{"role": "user", "content": f"client {k}"}],
-                       "max_tokens": 8, "temperature": 1.0}).encode()
-    while not stop.is_set():
-        t0 = time.time()
-        rec: dict[str, Any] = {"start": t0}
-        try:
-            req = urllib.request.Request(f"{base}/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                doc = json.loads(resp.read())
-                rec.update(status=resp.status, header=resp.headers.get(VERSION_HEADER),
-                           body_version=str(doc.get("weight_version")))
-        except Exception as exc:  # recorded: the test asserts there is none
-            rec.update(status=getattr(exc, "code", None), error=f"{type(exc).__name__}: {exc}")
-        rec["end"] = time.time()
-        out.append(rec)
+CLIENTS, DURATION_S = 20, 60.0
 
 
 def _cli(*args: str) -> str:
@@ -64,11 +36,6 @@ def _cli(*args: str) -> str:
     return r.stdout
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 @pytest.mark.slow
 def test_served_champion_follows_promote_and_rollback_without_dropping_a_request(tmp_path: Path) -> None:
     root = tmp_path / "runs"
@@ -76,20 +43,14 @@ def test_served_champion_follows_promote_and_rollback_without_dropping_a_request
     uri = cfg.resolved_tracking_uri()
     v1, v2 = register_policies(uri, root, cfg.tracking.registered_model, experiment=cfg.tracking.experiment)
     _cli("promote", v1, "--set", f"run_root={root}")
-    state = tmp_path / "champion.json"
-    proc = spawn(ServiceSpec.python("champion", "infra.ops.champion_server", [
-        "--tracking-uri", uri, "--model", cfg.tracking.registered_model, "--port", "0", "--poll", str(POLL_S),
-        "--threads", "1", "--workdir", str(tmp_path / "served"), "--state-file", str(state)],
-        log=str(tmp_path / "champion.log")))
+    proc, base = start_server(uri, cfg.tracking.registered_model, tmp_path)
     try:
-        wait_until(lambda: state.exists(), 180, proc.dead_reason, "champion server")
-        port = json.loads(state.read_text())["port"]
-        base = f"http://127.0.0.1:{port}"
-        pid = _get(f"{base}/health")["pid"]
-        assert _get(f"{base}/v1/models")["data"][0]["version"] == v1
+        pid = get(f"{base}/health")["pid"]
+        assert get(f"{base}/v1/models")["data"][0]["version"] == v1
         records: list[dict[str, Any]] = []
         stop = threading.Event()
-        threads = [threading.Thread(target=_client, args=(base, stop, records, k)) for k in range(CLIENTS)]
+        threads = [threading.Thread(target=client, args=(base, stop, records, k, "deltaloop-policy"))
+                   for k in range(CLIENTS)]
         began = time.time()
         for t in threads:
             t.start()
@@ -98,17 +59,17 @@ def test_served_champion_follows_promote_and_rollback_without_dropping_a_request
         t0 = time.time()
         _cli("promote", v2, "--reason", "champion swap test", "--set", f"run_root={root}")
         moves.append((t0, time.time(), v2))
-        wait_until(lambda: _get(f"{base}/health")["version"] == v2, 60, proc.dead_reason, "swap to v2")
+        wait_until(lambda: get(f"{base}/health")["version"] == v2, 60, proc.dead_reason, "swap to v2")
         time.sleep(max(0.0, began + 35 - time.time()))
         t0 = time.time()
         _cli("rollback", "--set", f"run_root={root}")
         moves.append((t0, time.time(), v1))
-        wait_until(lambda: _get(f"{base}/health")["version"] == v1, 60, proc.dead_reason, "swap back to v1")
+        wait_until(lambda: get(f"{base}/health")["version"] == v1, 60, proc.dead_reason, "swap back to v1")
         time.sleep(max(0.0, began + DURATION_S - time.time()))
         stop.set()
         for t in threads:
             t.join(90)
-        health = _get(f"{base}/health")
+        health = get(f"{base}/health")
     finally:
         proc.terminate(timeout=20)
     _check(records, moves, health, pid, v1, v2, tmp_path)
@@ -131,9 +92,6 @@ def _check(records: list[dict[str, Any]], moves: list[tuple[float, float, str]],
         assert r["header"] in allowed, (r, moves, lag)
     served = [r["header"] for r in sorted(records, key=lambda r: r["start"])]
     assert served[0] == v1 and v2 in served and served[-1] == v1
-    lat = [r["end"] - r["start"] for r in records]
-    near = [r["end"] - r["start"] for r in records for at, _, _ in moves[1:] if at <= r["start"] <= at + lag]
+    stats = latency(records, moves, lag)
     print(f"\nrequests {len(records)} in {DURATION_S:.0f}s by {CLIENTS} clients, failed 0; swaps "
-          f"{[s['seconds'] for s in swaps]} s; latency p50 {statistics.median(lat) * 1e3:.0f} ms p99 "
-          f"{_pct(lat, 0.99) * 1e3:.0f} ms; within a swap window ({len(near)}): p50 "
-          f"{statistics.median(near) * 1e3:.0f} ms p99 {_pct(near, 0.99) * 1e3:.0f} ms")
+          f"{[s['seconds'] for s in swaps]} s; {stats}")
