@@ -57,6 +57,7 @@ def serve(
 
     The auth string comes from a file or the environment, never from the command line (``ps`` shows
     argv to every user); without one, only loopback addresses are served."""
+    from infra.rollout.vllm_env import vllm_python
     from infra.serve import ServeError, ServeOptions, read_auth, serve_forever
 
     try:
@@ -67,7 +68,8 @@ def serve(
                             deploy=not no_deploy, worker_limit=worker_limit, api_auth_string=auth,
                             champion=champion, champion_port=champion_port, champion_model=champion_model,
                             champion_alias=champion_alias, champion_engine=champion_engine,
-                            champion_poll_s=champion_poll)
+                            champion_poll_s=champion_poll,
+                            champion_python=vllm_python() if champion_engine == "vllm" else None)
         code = serve_forever(opts, say=lambda m: typer.echo(m, err=True))
     except ServeError as exc:
         typer.echo(f"serve: {exc}", err=True)

@@ -111,6 +111,7 @@ class ServeOptions:
     champion_alias: str = "champion"
     champion_engine: str = "local"  # local (CPU / one GPU) or vllm (vLLM's server; its interpreter)
     champion_poll_s: float = 2.0  # seconds between reads of the alias
+    champion_python: str | None = None  # its interpreter (vLLM's for engine vllm); default: this one
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -322,11 +323,11 @@ class Stack:
         port = _port(o.host, o.champion_port, "champion") if o.champion_port else 0
         state = self.state_dir / "champion.json"
         state.unlink(missing_ok=True)
-        self._spawn("champion", [sys.executable, "-m", "infra.ops.champion_server", "--tracking-uri",
-                                 self.urls["mlflow_ui"], "--model", o.champion_model, "--alias", o.champion_alias,
-                                 "--host", o.host, "--port", str(port), "--engine", o.champion_engine,
-                                 "--poll", str(o.champion_poll_s), "--workdir", str(self.state_dir / "champion"),
-                                 "--state-file", str(state)])
+        python = o.champion_python or sys.executable
+        self._spawn("champion", [python, "-m", "infra.ops.champion_server", "--tracking-uri", self.urls["mlflow_ui"],
+                                 "--model", o.champion_model, "--alias", o.champion_alias, "--host", o.host,
+                                 "--port", str(port), "--engine", o.champion_engine, "--poll", str(o.champion_poll_s),
+                                 "--workdir", str(self.state_dir / "champion"), "--state-file", str(state)])
         proc = self.procs["champion"]
         try:
             wait_until(lambda: state.exists(), 300, proc.dead_reason, "champion server", interval=0.5)

@@ -21,8 +21,10 @@ Engines (``--engine``): ``local`` (CPU or one GPU) is :class:`infra.rollout.loca
 behind the rollout worker's own OpenAI frontend (:func:`infra.rollout.openai_api.create_app`: the
 same request checks, limits and error shapes); its ``weight_version`` / ``system_fingerprint``
 fields carry the registry version. ``vllm`` (GPUs) runs vLLM's own OpenAI server
-(:func:`infra.rollout.vllm_engine.openai_app`) over an AsyncLLM per version, and needs vLLM's
-interpreter (``DELTALOOP_VLLM_PYTHON`` / ``.venv-vllm``); the swap is the same. While two versions
+(:func:`infra.rollout.vllm_engine.openai_app`) over an AsyncLLM per version and runs under vLLM's
+interpreter (``DELTALOOP_VLLM_PYTHON`` / ``.venv-vllm``, which then also needs ``mlflow`` for the
+registry; ``deltaloop serve`` picks that interpreter); the swap is the same. That path is wired,
+not exercised by the tests (they run on CPU, local engine). While two versions
 are loaded the process holds both (twice the model's memory for the few seconds of a swap).
 
 Auth follows ``deltaloop serve`` (:mod:`infra.serve`): with an auth string ``user:password`` in
