@@ -9,6 +9,9 @@ colocated`` (the trainer ranks generate with the parameters they train) and ``ob
 - ``steps_per_min`` / ``separate_steps_per_min``: 60 x steps / the sum of the steps' wall seconds
   (``step_seconds`` in the run's history: rollout, scoring, train and sync, orchestration
   included; provision, warm start and evaluation excluded);
+- ``placement_stage_seconds_per_step`` / ``separate_...`` and ``placement_stage_speedup``: the wall
+  seconds per step of the stages the placement changes (rollout, train with its publish, sync);
+  scoring in the sandboxes does not depend on it and, on a shared host, carries most of the noise;
 - ``p50_seconds`` / ``p99_seconds``: the sync stage per version (colocated: checking the version
   the trainer holds; nothing moves) and ``separate_sync_p50_seconds`` (publish + the worker's load);
 - ``heldout_gain`` / ``separate_heldout_gain``: held-out score after - before (with the paired
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+PLACEMENT_STAGES = ("rollout", "train", "sync")  # the stages a placement changes (scoring does not)
 QUICK = ["trainer.steps=12", "trainer.prompts_per_step=16", "trainer.group_size=8", "env.eval_problems=100"]
 
 
@@ -60,7 +64,10 @@ def measure(summary: dict[str, Any]) -> dict[str, Any]:
     sync = [h["spans"]["sync"][1] - h["spans"]["sync"][0] for h in steps if "sync" in (h.get("spans") or {})]
     pub_load = [float(h.get("sync_publish_seconds") or 0.0) + float(h.get("sync_load_seconds") or 0.0) for h in steps]
     wall = sum(float(h["step_seconds"]) for h in steps)
+    changed = sum(h["spans"][k][1] - h["spans"][k][0] for h in steps for k in PLACEMENT_STAGES
+                  if k in (h.get("spans") or {}))
     return {"steps": len(steps), "step_wall_seconds": wall, "steps_per_min": 60.0 * len(steps) / wall,
+            "placement_stage_seconds": changed,
             "sync": sync, "publish_load": pub_load, "gain": summary["eval_after"] - summary["eval_before"],
             "gain_ci95": summary.get("eval_gain_ci95"), "eval_before": summary["eval_before"],
             "eval_after": summary["eval_after"], "wall_seconds": summary["wall_seconds"]}
@@ -71,6 +78,9 @@ def record(seed: Any, colo: list[dict[str, Any]], sep: list[dict[str, Any]], lr:
     def rate(runs: list[dict[str, Any]]) -> float:
         return 60.0 * sum(r["steps"] for r in runs) / sum(r["step_wall_seconds"] for r in runs)
 
+    def stage(runs: list[dict[str, Any]]) -> float:
+        return sum(r["placement_stage_seconds"] for r in runs) / sum(r["steps"] for r in runs)
+
     sync = [x for r in colo for x in r["sync"]]
     sep_sync = [x for r in sep for x in r["publish_load"]]
     one = len(colo) == 1
@@ -80,6 +90,8 @@ def record(seed: Any, colo: list[dict[str, Any]], sep: list[dict[str, Any]], lr:
         "amortized_fraction": 0.0, "full_seconds": None, "floor_seconds": 0.0,
         "steps_per_min": rate(colo), "separate_steps_per_min": rate(sep), "speedup": rate(colo) / rate(sep),
         "separate_sync_p50_seconds": _pct(sep_sync, 0.5),
+        "placement_stage_seconds_per_step": stage(colo), "separate_placement_stage_seconds_per_step": stage(sep),
+        "placement_stage_speedup": stage(sep) / stage(colo),
         "heldout_gain": colo[0]["gain"] if one else [r["gain"] for r in colo],
         "separate_heldout_gain": sep[0]["gain"] if one else [r["gain"] for r in sep],
     }
