@@ -38,7 +38,8 @@ def serve(
     prefect_db: str = typer.Option("", help="Prefect database URL (default: sqlite under PREFECT_HOME)."),
     mlflow_backend: str = typer.Option("", help="MLflow backend store URI, e.g. postgresql://u:p@host/db."),
     mlflow_artifacts: str = typer.Option("", help="MLflow artifact root, e.g. s3://bucket/mlflow."),
-    worker_limit: int = typer.Option(1, min=1, help="Flow runs the worker runs at once."),
+    worker_limit: int = typer.Option(4, min=1, help="Flow runs the worker admits at once (more than the "
+                                     "cluster capacity, so runs queue visibly on the capacity limits)."),
     no_worker: bool = typer.Option(False, "--no-worker", help="Do not start a worker."),
     no_deploy: bool = typer.Option(False, "--no-deploy", help="Do not deploy prefect.yaml."),
     auth_file: Path | None = typer.Option(None, "--auth-file", help="File holding 'user:password' (mode 600) for the "

@@ -103,7 +103,7 @@ class ServeOptions:
     pool: str = POOL
     deploy: bool = True
     worker: bool = True
-    worker_limit: int = 1  # concurrent flow runs; each run starts its own trainer/rollout/sandboxes
+    worker_limit: int = 4  # flow runs the worker admits; capacity limits (flows/capacity.py) queue them
     api_auth_string: str | None = None  # "user:password": basic auth on the Prefect API and MLflow (admin)
     champion: bool = False  # also serve NAME@alias over the OpenAI API (infra.ops.champion_server)
     champion_port: int = 8000  # 0 = any free port
@@ -245,6 +245,10 @@ class Stack:
                     "NO_PROXY": ",".join(filter(None, [os.environ.get("NO_PROXY"), o.host, "localhost"]))}
         # MLflow's background job runner (GenAI jobs; three huey consumers) is not used here
         self.env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+        # capacity leases (flows/capacity.py) on disk under PREFECT_HOME, so a restarted server still
+        # knows which run holds which slot and frees the slots of a run that died meanwhile
+        self.env.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE",
+                            "prefect.server.concurrency.lease_storage.filesystem")
         if self.auth:  # the clients' credentials: CLI calls, the worker and every flow run it starts
             self.env["PREFECT_API_AUTH_STRING"] = ":".join(self.auth)
             self.env["MLFLOW_TRACKING_USERNAME"], self.env["MLFLOW_TRACKING_PASSWORD"] = self.auth
