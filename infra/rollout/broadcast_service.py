@@ -18,7 +18,7 @@ through the object store.
   ``weight_sync.broadcast_timeout_s``), the version is loaded from the store instead, the line is
   reported, and the next load binds a fresh group first. A dead worker is replaced as in the
   object-store placement (:meth:`~infra.rollout.service.RolloutService.restart`: the version the dead
-  one served, from the store), then joins a fresh group.
+  one served, from the store), and the next load forms a fresh group first.
 """
 
 from __future__ import annotations
@@ -76,12 +76,11 @@ class BroadcastRolloutService(RolloutService):
         self.bound = True
 
     def restart(self, reason: str, generation: int | None = None) -> None:
-        """Replace a dead worker (the version it served, from the store), then rebind the new one."""
-        before = self._generation
+        """Replace a dead worker (the version it served, from the store); the next :meth:`load` binds the
+        new one. Not here: a rollout call may run while the trainer trains (``loop.mode: async``), and
+        the trainer's control channel carries one call at a time; a load never overlaps a trainer call."""
         super().restart(reason, generation)
-        if self._generation != before and self.trainer is not None:
-            self.bound = False
-            self._try_bind("the replaced rollout worker")
+        self.bound = False
 
     def _try_bind(self, who: str) -> bool:
         try:
