@@ -2,7 +2,8 @@
 
 Each benchmark is a module ``bench/<name>.py`` with ``run(json_path: Path, quick: bool) -> object``
 that prints a table and writes its JSON result to ``json_path``; one that takes a seed also accepts
-``seed: int`` (``--seed``). :data:`BENCHMARKS` names them
+``seed: int`` (``--seed``), and ``sync`` takes ``readers``, ``rtt_ms``, ``link_mbps``, ``versions``,
+``lr`` and ``placement`` (the CLI passes an option only to a ``run`` whose signature has it). :data:`BENCHMARKS` names them
 (``module:run``, imported only when chosen); add new ones there.
 """
 
