@@ -8,7 +8,8 @@ colocated`` (the trainer ranks generate with the parameters they train) and ``ob
 
 - ``steps_per_min`` / ``separate_steps_per_min``: 60 x steps / the sum of the steps' wall seconds
   (``step_seconds`` in the run's history: rollout, scoring, train and sync, orchestration
-  included; provision, warm start and evaluation excluded);
+  included; provision, warm start and evaluation excluded); ``median_steps_per_min`` / ``separate_...``:
+  60 / the median step's seconds (robust to the bursts of other jobs on a shared host);
 - ``placement_stage_seconds_per_step`` / ``separate_...`` and ``placement_stage_speedup``: the wall
   seconds per step of the stages the placement changes (rollout, train with its publish, sync);
   scoring in the sandboxes does not depend on it and, on a shared host, carries most of the noise;
@@ -67,7 +68,7 @@ def measure(summary: dict[str, Any]) -> dict[str, Any]:
     changed = sum(h["spans"][k][1] - h["spans"][k][0] for h in steps for k in PLACEMENT_STAGES
                   if k in (h.get("spans") or {}))
     return {"steps": len(steps), "step_wall_seconds": wall, "steps_per_min": 60.0 * len(steps) / wall,
-            "placement_stage_seconds": changed,
+            "placement_stage_seconds": changed, "step_seconds": [float(h["step_seconds"]) for h in steps],
             "sync": sync, "publish_load": pub_load, "gain": summary["eval_after"] - summary["eval_before"],
             "gain_ci95": summary.get("eval_gain_ci95"), "eval_before": summary["eval_before"],
             "eval_after": summary["eval_after"], "wall_seconds": summary["wall_seconds"]}
@@ -77,6 +78,9 @@ def record(seed: Any, colo: list[dict[str, Any]], sep: list[dict[str, Any]], lr:
     """The bench sync record of ``colo`` vs ``sep`` runs (one seed, or all of them)."""
     def rate(runs: list[dict[str, Any]]) -> float:
         return 60.0 * sum(r["steps"] for r in runs) / sum(r["step_wall_seconds"] for r in runs)
+
+    def median_rate(runs: list[dict[str, Any]]) -> float:
+        return 60.0 / statistics.median(x for r in runs for x in r["step_seconds"])
 
     def stage(runs: list[dict[str, Any]]) -> float:
         return sum(r["placement_stage_seconds"] for r in runs) / sum(r["steps"] for r in runs)
@@ -89,6 +93,7 @@ def record(seed: Any, colo: list[dict[str, Any]], sep: list[dict[str, Any]], lr:
         "versions": sum(r["steps"] for r in colo), "p50_seconds": _pct(sync, 0.5), "p99_seconds": _pct(sync, 0.99),
         "amortized_fraction": 0.0, "full_seconds": None, "floor_seconds": 0.0,
         "steps_per_min": rate(colo), "separate_steps_per_min": rate(sep), "speedup": rate(colo) / rate(sep),
+        "median_steps_per_min": median_rate(colo), "separate_median_steps_per_min": median_rate(sep),
         "separate_sync_p50_seconds": _pct(sep_sync, 0.5),
         "placement_stage_seconds_per_step": stage(colo), "separate_placement_stage_seconds_per_step": stage(sep),
         "placement_stage_speedup": stage(sep) / stage(colo),

@@ -182,7 +182,7 @@ def test_bench_record_compares_placements_side_by_side() -> None:
 
     def run(steps: int, wall: float, gain: float) -> dict:
         return {"steps": steps, "step_wall_seconds": wall, "sync": [0.01] * steps, "publish_load": [0.2] * steps,
-                "placement_stage_seconds": wall / 2,
+                "placement_stage_seconds": wall / 2, "step_seconds": [wall / steps] * steps,
                 "gain": gain, "gain_ci95": [gain - 0.03, gain + 0.03], "eval_before": 0.25, "eval_after": 0.25 + gain,
                 "wall_seconds": wall + 60}
 
@@ -191,6 +191,7 @@ def test_bench_record_compares_placements_side_by_side() -> None:
     assert one["steps_per_min"] == pytest.approx(20.0) and one["separate_steps_per_min"] == pytest.approx(200 / 15)
     assert one["speedup"] == pytest.approx(1.5) and one["p50_seconds"] == pytest.approx(0.01)
     assert one["placement_stage_seconds_per_step"] == pytest.approx(1.5) and one["placement_stage_speedup"] == 1.5
+    assert one["median_steps_per_min"] == pytest.approx(20.0)
     assert one["heldout_gain"] == 0.15 and one["separate_heldout_gain_ci95"] == pytest.approx([0.11, 0.17])
     both = record("all", [run(200, 600.0, 0.15), run(100, 200.0, 0.1)], [run(200, 900.0, 0.14), run(100, 300.0, 0.12)],
                   lr=2e-4)
