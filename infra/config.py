@@ -32,7 +32,7 @@ from infra.configs.envs import (ENV_TYPES, AnswerConfig, DatasetEnvConfig, EnvCo
                                 HumanEvalEnvConfig, PythonEnvConfig, ReasoningGymEnvConfig, ReasoningGymTask,
                                 default_env_type)
 from infra.configs.model import ModelConfig, TinyModelConfig, WarmstartConfig
-from infra.configs.placement import check_colocated
+from infra.configs.placement import check_placement
 from infra.configs.services import (
     EvalConfig,
     LoopConfig,
@@ -104,15 +104,11 @@ class RunConfig(Strict):
             pass  # allowed on GPU hosts; checked at provision time
         if self.trainer.engine == "deepspeed" and self.trainer.zero_stage == 0:
             raise ValueError("trainer.zero_stage must be 1, 2 or 3 when trainer.engine is 'deepspeed'")
-        if self.weight_sync.placement == "broadcast" and self.rollout.type != "local":
-            raise ValueError(f"weight_sync.placement 'broadcast' needs rollout.type 'local' (got {self.rollout.type!r}): "
-                             "vLLM applies versions inside its own model process, which does not join the group; "
-                             "use weight_sync.placement 'object_store' with vLLM")
         unknown = sorted(set(self.promote.floors) - {"main", *(s.name for s in self.eval.suites)})
         if unknown:
             raise ValueError(f"promote.floors names unknown suite(s) {unknown}: use 'main' (the held-out split) "
                              "or a name in eval.suites")
-        check_colocated(self)
+        check_placement(self)
         return self
 
     # ----------------------------------------------------------------------------- derived

@@ -1,5 +1,8 @@
 """Cross-section rules of ``weight_sync.placement`` (called by :class:`infra.config.RunConfig`'s validator).
 
+``broadcast`` needs ``rollout.type: local``: vLLM applies versions inside its own model process,
+which does not join the trainer's weight group.
+
 ``colocated`` generates on the trainer ranks with the parameters they train
 (:mod:`infra.rollout.colocated`), so it refuses what would need another engine, another copy of the
 weights or generation overlapping training:
@@ -26,7 +29,7 @@ def colocated_problems(cfg: Any) -> list[str]:
     out = []
     if cfg.rollout.type != "local":
         out.append(f"rollout.type={cfg.rollout.type!r}: {where}, with the local engine only "
-                   "(use placement object_store or broadcast for vLLM)")
+                   "(use placement object_store for vLLM)")
     t = cfg.trainer
     if t.engine == "fsdp" or (t.engine == "deepspeed" and t.zero_stage == 3):
         setting = "trainer.engine='fsdp'" if t.engine == "fsdp" else "trainer.zero_stage=3"
@@ -39,8 +42,17 @@ def colocated_problems(cfg: Any) -> list[str]:
     return out
 
 
-def check_colocated(cfg: Any) -> None:
-    """Raise ``ValueError`` listing :func:`colocated_problems` (pydantic reports it as a config error)."""
-    problems = colocated_problems(cfg)
+def broadcast_problems(cfg: Any) -> list[str]:
+    """What in ``cfg`` ``weight_sync.placement: broadcast`` cannot run with (empty for any other placement)."""
+    if cfg.weight_sync.placement != "broadcast" or cfg.rollout.type == "local":
+        return []
+    return [f"weight_sync.placement 'broadcast' needs rollout.type 'local' (got {cfg.rollout.type!r}): vLLM "
+            "applies versions inside its own model process, which does not join the group; use "
+            "weight_sync.placement 'object_store' with vLLM"]
+
+
+def check_placement(cfg: Any) -> None:
+    """Raise ``ValueError`` listing every problem of the placement (pydantic reports it as a config error)."""
+    problems = broadcast_problems(cfg) + colocated_problems(cfg)
     if problems:
         raise ValueError("; ".join(problems))
