@@ -198,13 +198,7 @@ class WanLinks:
         for p in self.relays + self.procs:
             p.terminate(timeout=2)
         self.relays, self.procs, self.relay_ports = [], [], []
-        names = [ns for ns in self.namespaces() if ns in netns_list()]
-        for ns in names:
-            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-            for pid in out.stdout.split():
-                _kill(int(pid), signal.SIGKILL)
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        delete_namespaces([ns for ns in self.namespaces() if ns in netns_list()])
         subprocess.run(["ip", "link", "del", f"{self.tag}p0"], capture_output=True)  # gone with its peer, normally
 
     def __enter__(self) -> "WanLinks":
@@ -212,6 +206,16 @@ class WanLinks:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def delete_namespaces(names: list[str]) -> None:
+    """SIGKILL every process left in each of ``names`` (network namespaces we made), then delete them."""
+    for ns in names:
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        for pid in out.stdout.split():
+            _kill(int(pid), signal.SIGKILL)
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def netns_list() -> list[str]:

@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.wan_link import delete_namespaces
+
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
@@ -157,12 +159,7 @@ class NetnsCluster:
             if h.sshd_pid:
                 _kill(h.sshd_pid, signal.SIGTERM)
         time.sleep(0.2)
-        for ns in names:
-            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-            for pid in out.stdout.split():
-                _kill(int(pid), signal.SIGKILL)
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        delete_namespaces(names)
         for h in self.hosts:
             h.sshd_pid = 0
 
