@@ -17,7 +17,7 @@ demo: setup
 
 test: services
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q --durations=25 tests
 
 test-fast: setup
 	.venv/bin/python -m pytest -q tests/unit
