@@ -63,12 +63,12 @@ from infra.secrets import derive_key
 POOL = "deltaloop-process"
 MLFLOW_UI_ENV = "DELTALOOP_MLFLOW_UI_URL"
 AUTH_ENV = "PREFECT_SERVER_API_AUTH_STRING"
+CHAMPION_AUTH_ENV = "DELTALOOP_CHAMPION_AUTH"  # the auth string the champion server checks (never argv)
 # never inherited by a child: each gets the ones its role needs (_child_env)
 SECRET_ENVS = ("PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME",
                "MLFLOW_TRACKING_PASSWORD", "MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD",
-               "MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_AUTH_CONFIG_PATH", "DELTALOOP_CHAMPION_AUTH")
+               "MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_AUTH_CONFIG_PATH", CHAMPION_AUTH_ENV)
 MIN_PASSWORD = 12  # MLflow's minimum for a user's password
-CHAMPION_AUTH_ENV = "DELTALOOP_CHAMPION_AUTH"  # the auth string the champion server checks (never argv)
 # The process pool's base job template: command, env and working_dir are fixed (the worker's own
 # environment, the default command, the directory the deployment was made in); only harmless
 # variables are templated and no others are accepted, so a flow run's job_variables cannot run a

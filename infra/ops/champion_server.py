@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import base64
 import hmac
-import json
 import logging
 import os
 import shutil
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from infra.backends import Registry as BackendRegistry
 from infra.errors import DeltaloopError
+from infra.rollout.guard import send_error, send_json
 from infra.serve import CHAMPION_AUTH_ENV as AUTH_ENV
 from infra.serve import champion_api_key as api_key
 from infra.serve import is_loopback
@@ -241,20 +241,20 @@ class ChampionServer:
             return
         path = scope["path"]
         if path == "/health":
-            await _json(send, 200, self.health())
+            await send_json(send, 200, self.health())
             return
         if not self.authorized(dict(scope.get("headers") or []).get(b"authorization")):
-            await _json(send, 401, _error(401, "missing or wrong credentials (serve's auth string as HTTP basic, "
-                                          "or its champion API key as bearer)", "unauthorized"),
-                        [(b"www-authenticate", b'Bearer, Basic realm="deltaloop"')])
+            await send_error(send, 401, "missing or wrong credentials (serve's auth string as HTTP basic, "
+                             "or its champion API key as bearer)", "unauthorized",
+                             [(b"www-authenticate", b'Bearer, Basic realm="deltaloop"')])
             return
         if path == "/v1/models":
-            await _json(send, 200, self.models())
+            await send_json(send, 200, self.models())
             return
         served = self.current
         if served is None:
-            await _json(send, 503, _error(503, f"no version of {self.registry.name!r} has the alias {self.alias!r} "
-                                          "yet", "model_not_ready"))
+            await send_error(send, 503, f"no version of {self.registry.name!r} has the alias {self.alias!r} yet",
+                             "model_not_ready")
             return
         await self._dispatch(served, scope, receive, send)
 
@@ -272,21 +272,6 @@ class ChampionServer:
             await served.app(scope, receive, send_versioned)
         finally:
             served.inflight -= 1
-
-
-def _error(status: int, message: str, code: str) -> dict[str, Any]:
-    from infra.rollout.openai_api import error_body
-
-    return error_body(status, message, code)
-
-
-async def _json(send: Callable, status: int, body: dict[str, Any],
-                headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            *(headers or [])]})
-    await send({"type": "http.response.body", "body": payload})
 
 
 # ----------------------------------------------------------------------------- process

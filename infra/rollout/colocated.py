@@ -54,6 +54,11 @@ class ColocatedRollout:
         raise ColocatedError("weight_sync.placement=colocated has no rollout worker, so no HTTP/OpenAI endpoint; "
                              "use placement object_store or broadcast for multi-turn or OpenAI-API environments")
 
+    @property
+    def where(self) -> str:
+        """Where rollouts are generated, for progress lines."""
+        return "on the trainer ranks (colocated)"
+
     def start(self) -> None:
         """Nothing to start: the trainer group generates."""
 

@@ -90,15 +90,25 @@ def check_rollout_key(run_id: str, key: object, field: str) -> str:
     return key
 
 
-async def _send_error(send: Send, status: int, message: str, code: str,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    """Answer ``status`` with OpenAI's error document (the worker's one error shape)."""
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error document (the one error shape of the worker and the champion endpoint)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+async def send_json(send: Send, status: int, body: Any, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer an ASGI request with ``status`` and ``body`` as JSON (for middleware that answers itself)."""
+    payload = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                *(extra_headers or [])]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+async def send_error(send: Send, status: int, message: str, code: str,
+                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer ``status`` with OpenAI's error document (the worker's one error shape)."""
+    await send_json(send, status, error_body(status, message, code), extra_headers)
 
 
 class ControlAuth:
@@ -117,7 +127,7 @@ class ControlAuth:
                 check_bearer(header.decode("latin-1"), self.token)
             except ControlRefused as exc:
                 extra = [(b"www-authenticate", b"Bearer")] if exc.status == 401 else []
-                await _send_error(send, exc.status, str(exc), "unauthorized" if exc.status == 401 else "forbidden",
+                await send_error(send, exc.status, str(exc), "unauthorized" if exc.status == 401 else "forbidden",
                                   extra)
                 return
         await self.app(scope, receive, send)
@@ -159,5 +169,5 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        await _send_error(send, 413, f"request body exceeds this server's limit of {self.max_bytes} bytes",
+        await send_error(send, 413, f"request body exceeds this server's limit of {self.max_bytes} bytes",
                           "request_too_large", [(b"connection", b"close")])

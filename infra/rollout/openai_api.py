@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from infra.errors import DeltaloopError
 from infra.rollout.errors import BadRequest, RequestFailed
+from infra.rollout.guard import error_body
 
 if TYPE_CHECKING:
     from infra.config import RolloutConfig
@@ -230,12 +231,6 @@ class APIError(DeltaloopError):
                  param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
-
-
-def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error document."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # ----------------------------------------------------------------------------- the frontend

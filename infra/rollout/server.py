@@ -51,10 +51,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from infra.errors import DeltaloopError
 from infra.lifeline import exit_with_parent
+from infra.rollout.batch import prompt_batch, sample_records, write_rollouts
 from infra.rollout.errors import BadRequest, ControlRefused
 from infra.rollout.guard import check_rollout_key
 from infra.specs import RolloutSpec
-from infra.storage import ObjectNotFound, ObjectStore, get_json, open_store, put_json, run_key
+from infra.storage import ObjectNotFound, ObjectStore, get_json, open_store, run_key
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class RolloutWorker:
             raise ControlRefused(f"prompts_key {prompts_key!r} does not exist", 404) from exc
         except ValueError as exc:
             raise BadRequest(f"prompts_key {prompts_key!r} is not JSON: {exc}") from exc
-        prompts, render, stop = _prompt_batch(batch, prompts_key)
+        prompts, render, stop = prompt_batch(batch, prompts_key)
         prompt_ids = render_prompts(self.tokenizer, prompts, render["chat"], render.get("system_prompt"))
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=self.cfg.rollout.top_p, stop=stop, seed=seed)
@@ -199,31 +200,8 @@ class RolloutWorker:
             started = time.perf_counter()
             completions = self.engine.generate_ids(prompt_ids, n, params)
             seconds = time.perf_counter() - started
-        samples = [
-            {"prompt_index": c.prompt_index, "text": c.text, "token_ids": list(c.token_ids),
-             "logprobs": [float(x) for x in c.logprobs], "finish_reason": c.finish_reason, "version": version}
-            for c in completions
-        ]
-        tokens = sum(len(s["token_ids"]) for s in samples)
-        put_json(self.store, out_key, {"version": version, "group_size": n, "prompts": prompts,
-                                       "prompt_ids": prompt_ids, "samples": samples, "seconds": seconds,
-                                       "tokens": tokens})
-        return {"key": out_key, "version": version, "samples": len(samples), "tokens": tokens,
-                "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
-
-
-def _prompt_batch(batch: Any, key: str) -> tuple[list[Any], dict[str, Any], list[str]]:
-    """The prompts, render settings and stop strings of a prompt batch document, or
-    :class:`BadRequest` naming what is malformed (the document comes from the store)."""
-    if not isinstance(batch, dict) or not isinstance(batch.get("prompts"), list) or not batch["prompts"]:
-        raise BadRequest(f"{key}: 'prompts' must be a non-empty list")
-    render = batch.get("render") or {"chat": "off", "system_prompt": None}
-    if not isinstance(render, dict) or "chat" not in render:
-        raise BadRequest(f"{key}: 'render' must be an object with 'chat'")
-    stop = batch.get("stop", ["\n"])
-    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-        raise BadRequest(f"{key}: 'stop' must be a list of strings")
-    return batch["prompts"], render, list(stop)
+        return write_rollouts(self.store, out_key, version=version, n=n, prompts=prompts, prompt_ids=prompt_ids,
+                              samples=sample_records(completions, version), seconds=seconds)
 
 
 class LoadReq(BaseModel):
@@ -279,8 +257,8 @@ def build_app(worker: RolloutWorker, token: str, model_name: str = "policy", bas
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import JSONResponse
 
-    from infra.rollout.guard import BodyLimit, ControlAuth
-    from infra.rollout.openai_api import OPENAI_PATHS, ApiLimits, OpenAIFrontend, add_routes, error_body
+    from infra.rollout.guard import BodyLimit, ControlAuth, error_body
+    from infra.rollout.openai_api import OPENAI_PATHS, ApiLimits, OpenAIFrontend, add_routes
 
     limits = ApiLimits.of(worker.cfg.rollout)
     app = FastAPI(title="deltaloop rollout worker")

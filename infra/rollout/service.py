@@ -83,6 +83,11 @@ class RolloutService:
         """Base URL of the worker (valid once :meth:`wait_ready` returned)."""
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def where(self) -> str:
+        """Where rollouts are generated, for progress lines."""
+        return f"worker at {self.url}"
+
     def start(self) -> None:
         """Launch the worker and wait until it answers ``/health``."""
         self.launch()

@@ -61,9 +61,7 @@ def provision(ctx: RunContext) -> Cluster:
         cluster.sandbox = create_pool(cfg.sandbox)
         cluster.sandbox.start()
         cluster.rollout.wait_ready()
-        where = "on the trainer ranks (colocated)" if cfg.weight_sync.placement == "colocated" else \
-            f"worker at {cluster.rollout.url}"
-        ctx.report(f"rollout {where}; sandbox pool ({cfg.sandbox.runtime}) warm")
+        ctx.report(f"rollout {cluster.rollout.where}; sandbox pool ({cfg.sandbox.runtime}) warm")
         info: dict[str, Any] = {"trainer": cluster.trainer.call("init")}
         health = cluster.trainer.health
         if health is not None:

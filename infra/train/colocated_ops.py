@@ -11,7 +11,7 @@ A rollout batch is split across the ranks in contiguous prompt slices (rank r ta
 ``[P*r//W, P*(r+1)//W)``); every sample keeps the stream of its place in the whole batch
 (:func:`~infra.rollout.local.row_seed` of its global prompt index), so the samples do not depend on
 the number of ranks up to float rounding of different batch shapes. Rank 0 gathers the slices and
-writes the rollouts object exactly as the rollout worker does (:meth:`infra.rollout.server.RolloutWorker.rollout`:
+writes the rollouts object with the rollout worker's writer (:func:`infra.rollout.batch.write_rollouts`:
 samples with token ids, log-probs and version, ``tokens``, ``seconds``), plus ``placement`` and
 ``ranks`` (which rank generated which prompts, and its seconds).
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from infra.errors import DeltaloopError
-from infra.storage import get_json, put_json
+from infra.storage import get_json
 
 
 class VersionMismatch(DeltaloopError):
@@ -90,14 +90,14 @@ class ColocatedOps:
         from infra.model import render_prompts
         from infra.rollout.engine import SamplingParams, check_request
         from infra.rollout.guard import check_rollout_key
-        from infra.rollout.server import _prompt_batch
+        from infra.rollout.batch import prompt_batch
 
         if version is not None and version != self.weights_version:
             raise VersionMismatch(f"colocated rollout asked for weights version {version}; the trainer ranks hold "
                                   f"version {self.weights_version}")
         check_rollout_key(self.run_id, prompts_key, "prompts_key")
         check_rollout_key(self.run_id, out_key, "out_key")
-        prompts, render, stop = _prompt_batch(get_json(self.store, prompts_key), prompts_key)
+        prompts, render, stop = prompt_batch(get_json(self.store, prompts_key), prompts_key)
         prompt_ids = render_prompts(self.tokenizer, prompts, render["chat"], render.get("system_prompt"))
         engine = self._colocated_engine_for()
         runner = getattr(engine, "_runner", None)
@@ -126,16 +126,15 @@ class ColocatedOps:
     def _generate_slice(self, engine: Any, prompt_ids: list[list[int]], lo: int, hi: int, n: int, params: Any,
                         version: int) -> dict[str, Any]:
         """This rank's samples of prompts ``[lo, hi)`` (global prompt indices and streams), or its error."""
+        from infra.rollout.batch import sample_records
+
         started = time.perf_counter()
         samples: list[dict[str, Any]] = []
         error = None
         if hi > lo:
             self.model.eval()
             try:
-                completions = engine.generate_ids(prompt_ids[lo:hi], n, params, first_prompt=lo)
-                samples = [{"prompt_index": c.prompt_index, "text": c.text, "token_ids": list(c.token_ids),
-                            "logprobs": [float(x) for x in c.logprobs], "finish_reason": c.finish_reason,
-                            "version": version} for c in completions]
+                samples = sample_records(engine.generate_ids(prompt_ids[lo:hi], n, params, first_prompt=lo), version)
             except Exception as exc:  # noqa: BLE001 - gathered, then raised on every rank
                 error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -146,13 +145,12 @@ class ColocatedOps:
     def _write_rollouts(self, out_key: str, parts: list[dict[str, Any]], prompts: list[Any],
                         prompt_ids: list[list[int]], n: int, version: int, seconds: float) -> dict[str, Any]:
         """Rank 0: the rollouts object of the whole batch (the worker's fields plus who generated what)."""
+        from infra.rollout.batch import write_rollouts
+
         parts = sorted(parts, key=lambda p: p["prompts"][0])  # contiguous slices: prompt order
-        samples = [s for p in parts for s in p["samples"]]
-        tokens = sum(len(s["token_ids"]) for s in samples)
         ranks = [{"rank": p["rank"], "prompts": p["prompts"], "samples": len(p["samples"]), "seconds": p["seconds"]}
                  for p in sorted(parts, key=lambda p: p["rank"])]
-        put_json(self.store, out_key, {"version": version, "group_size": n, "prompts": prompts,
-                                       "prompt_ids": prompt_ids, "samples": samples, "seconds": seconds,
-                                       "tokens": tokens, "placement": "colocated", "ranks": ranks})
-        return {"key": out_key, "version": version, "samples": len(samples), "tokens": tokens,
-                "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9), "ranks": ranks}
+        answer = write_rollouts(self.store, out_key, version=version, n=n, prompts=prompts, prompt_ids=prompt_ids,
+                                samples=[s for p in parts for s in p["samples"]], seconds=seconds,
+                                placement="colocated", ranks=ranks)
+        return {**answer, "ranks": ranks}

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from infra.weightsync.errors import CorruptData, WeightSyncError
+from infra.weightsync.rawbytes import dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -236,24 +237,18 @@ def layout_of(tensors: dict[str, "torch.Tensor"], cast: Any = None) -> tuple[lis
     for name, t in tensors.items():
         dtype = cast or t.dtype
         n = t.numel() * dtype.itemsize
-        slots.append(Slot(name, str(dtype).removeprefix("torch."), tuple(t.shape), off, n))
+        slots.append(Slot(name, dtype_name(dtype), tuple(t.shape), off, n))
         off += -(-n // _ALIGN) * _ALIGN
     return slots, off
 
 
 def views(flat: "torch.Tensor", slots: list[Slot]) -> dict[str, "torch.Tensor"]:
     """Tensors over ``flat`` (uint8), one per slot, sharing its memory."""
-    import torch
-
-    out = {}
-    for s in slots:
-        dtype = getattr(torch, s.dtype)
-        out[s.name] = flat[s.offset : s.offset + s.nbytes].view(dtype).view(s.shape)
-    return out
+    return {s.name: flat[s.offset : s.offset + s.nbytes].view(dtype_from_name(s.dtype)).view(s.shape) for s in slots}
 
 
 def _bucket_ranges(total: int, bucket_bytes: int) -> list[tuple[int, int]]:
-    return [(s, min(total, s + bucket_bytes)) for s in range(0, total, bucket_bytes)] or []
+    return [(s, min(total, s + bucket_bytes)) for s in range(0, total, bucket_bytes)]
 
 
 def _digest(buf: "torch.Tensor") -> bytes:
