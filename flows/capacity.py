@@ -42,7 +42,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.concurrency._leases import maintain_concurrency_lease
 from prefect.context import FlowRunContext
-from prefect.exceptions import MissingContextError, ObjectNotFound, PrefectHTTPStatusError
+from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
 from prefect.settings import get_current_settings
 
 from infra.errors import DeltaloopError
@@ -153,9 +153,8 @@ def _ensure(client: Any, name: str, size: int, quiet: bool = False) -> Any:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=size))
             if not quiet:
                 _say(f"capacity: created limit {name} with {size} slot(s); resize: prefect gcl update {name} --limit N")
-        except PrefectHTTPStatusError as exc:
-            if exc.response.status_code != 409:  # another run created it first
-                raise
+        except ObjectAlreadyExists:  # another run created it first
+            pass
         return client.read_global_concurrency_limit_by_name(name)
 
 

@@ -15,13 +15,10 @@ they are visible, rather than unseen in the worker) and the repossessor polling 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from base64 import b64encode
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
@@ -30,33 +27,18 @@ import pytest
 
 from flows.capacity import TRAINER_SLOTS, WAITING_TAG
 from infra.ops.trigger import trigger, wait
-from tests.integration.test_ops_served import AUTH, ROOT, SHOTS, Served, _browser, _wait_text
+from tests.integration.test_ops_served import AUTH, SHOTS, Served, _browser, _wait_text, start_served
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    tmp = tmp_path_factory.mktemp("queue")
-    env = {**os.environ, "DELTALOOP_STATE": str(tmp / "state"), "PREFECT_HOME": str(tmp / "prefect"),
-           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "2",
-           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_API_AUTH_STRING": AUTH,
-           "DELTALOOP_API_OVERRIDES": "default run_root promote.floors"}
-    out = tmp / "serve.out"
-    with open(out, "wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "deltaloop.cli", "serve", "--prefect-port", "0", "--mlflow-port", "0",
-             "--run-root", str(tmp / "runs"), "--worker-limit", "3"],
-            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    state_file = tmp / "state" / "serve" / "serve.json"
-    deadline = time.monotonic() + 300
-    while not state_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"deltaloop serve did not come up:\n{out.read_text()[-4000:]}")
-        time.sleep(0.5)
+    s = start_served(tmp_path_factory.mktemp("queue"), {"PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "2"},
+                     "--worker-limit", "3")
+    proc = s.proc
     try:
-        yield Served(proc, json.loads(state_file.read_text()), tmp / "runs", out)
+        yield s
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -95,17 +77,24 @@ def _holder(served: Served, ids: list[str], done: set[str], timeout: float = 300
 
 
 def _flow_run_pid(run_id: str) -> int:
-    """The flow-run process the worker started for ``run_id`` (its environment names the run)."""
+    """The flow-run process the worker started for ``run_id``: of the processes whose environment
+    names the run (it and the services it started), the one whose parent is not among them (pids
+    wrap, so the lowest pid need not be the flow run's)."""
+    found: dict[int, int] = {}  # pid -> parent pid
     for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
         try:
             env = (d / "environ").read_bytes()
-        except (OSError, ValueError):
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in env.split(b"\0") and d.name.isdigit():
-            cmd = (d / "cmdline").read_bytes()
-            if b"prefect" in cmd or b"python" in cmd:
-                return int(d.name)
-    raise AssertionError(f"no process for flow run {run_id}")
+        if f"PREFECT__FLOW_RUN_ID={run_id}".encode() in env.split(b"\0"):
+            found[int(d.name)] = ppid
+    tops = [pid for pid, ppid in found.items() if ppid not in found]
+    if len(tops) != 1:
+        raise AssertionError(f"flow run {run_id}: expected one top process among {found}, found {tops}")
+    return tops[0]
 
 
 def _ui_shows_waiting(served: Served, waiting_id: str) -> None:

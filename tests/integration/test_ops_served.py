@@ -74,30 +74,37 @@ def _all_pids(served: Served) -> list[int]:
     return sorted({p for pid in pids for p in (pid, *descendants(pid))})
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    tmp = tmp_path_factory.mktemp("served")
-    state_dir = tmp / "state"
-    env = {**os.environ, "DELTALOOP_STATE": str(state_dir), "PREFECT_HOME": str(tmp / "prefect"),
-           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-           "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2",
-           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_API_AUTH_STRING": AUTH,
-           "DELTALOOP_API_OVERRIDES": "default run_root promote.floors"}
+def start_served(tmp: Path, env_extra: dict[str, str], *args: str) -> Served:
+    """``deltaloop serve`` with auth in ``tmp`` (state, Prefect home, run root), ``env_extra`` on
+    top of the test settings and ``args`` after the ports; returns once it wrote its state file."""
+    env = {**os.environ, "DELTALOOP_STATE": str(tmp / "state"), "PREFECT_HOME": str(tmp / "prefect"),
+           "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_LOGGING_LEVEL": "INFO",
+           "PREFECT_SERVER_API_AUTH_STRING": AUTH, "DELTALOOP_API_OVERRIDES": "default run_root promote.floors",
+           **env_extra}
     out = tmp / "serve.out"
     with open(out, "wb") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "deltaloop.cli", "serve", "--prefect-port", "0", "--mlflow-port", "0",
-             "--run-root", str(tmp / "runs")],
+             "--run-root", str(tmp / "runs"), *args],
             cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
         )
-    state_file = state_dir / "serve" / "serve.json"
+    state_file = tmp / "state" / "serve" / "serve.json"
     deadline = time.monotonic() + 300
     while not state_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"deltaloop serve did not come up:\n{out.read_text()[-4000:]}")
         time.sleep(0.5)
-    s = Served(proc, json.loads(state_file.read_text()), tmp / "runs", out)
+    return Served(proc, json.loads(state_file.read_text()), tmp / "runs", out)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    s = start_served(tmp_path_factory.mktemp("served"),
+                     {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+                      "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2"})
+    proc, out = s.proc, s.out
+    state_file = out.parent / "state" / "serve" / "serve.json"
     mp = pytest.MonkeyPatch()  # what a registry consumer sets to reach the served MLflow
     mp.setenv("MLFLOW_TRACKING_USERNAME", USER)
     mp.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
