@@ -5,8 +5,7 @@ champion server (``python -m infra.ops.champion_server``, the process ``deltaloo
 starts) serves it. Eight client threads send ``/v1/chat/completions`` without pause while the test
 promotes the second version and later rolls back, both with the ``deltaloop`` CLI, with a few
 seconds of load before, between and after the moves (``deltaloop bench champion`` runs the long,
-20-client version). Every request
-must be answered (200), each answer's version (header and ``weight_version``) must be the alias's
+20-client version). Every request must be answered (200), each answer's version (header and ``weight_version``) must be the alias's
 version at some moment between the request's start minus the server's reaction time (poll interval
 plus the swap it recorded) and its end, both moves must be followed, and the server's pid must not
 change. Latency and swap times are printed (``-s``), not asserted.
@@ -75,12 +74,11 @@ def test_served_champion_follows_promote_and_rollback_without_dropping_a_request
         health = get(f"{base}/health")
     finally:
         proc.terminate(timeout=20)
-    _check(records, moves, health, pid, (v1, v2), tmp_path, seconds)
+    _check(records, moves, health, pid, v1, v2, tmp_path, seconds)
 
 
 def _check(records: list[dict[str, Any]], moves: list[tuple[float, float, str]], health: dict[str, Any], pid: int,
-           versions: tuple[str, str], tmp_path: Path, seconds: float) -> None:
-    v1, v2 = versions
+           v1: str, v2: str, tmp_path: Path, seconds: float) -> None:
     failed = [r for r in records if r.get("status") != 200]
     assert not failed, (len(failed), failed[:3], (tmp_path / "champion.log").read_text()[-3000:])
     assert health["pid"] == pid  # no restart
