@@ -9,7 +9,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 setup:
 	./scripts/setup.sh
 
-services: setup
+services:
 	./scripts/start_services.sh
 
 demo: setup
@@ -17,7 +17,7 @@ demo: setup
 
 test: services
 	.venv/bin/lint-imports
-	.venv/bin/python -m pytest -q --durations=25 tests
+	./scripts/run_tests.sh
 
 test-fast: setup
 	.venv/bin/python -m pytest -q tests/unit

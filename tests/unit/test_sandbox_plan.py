@@ -73,11 +73,11 @@ def test_plan_finds_the_smallest_buffer_and_is_exact_below_exact_max() -> None:
 
 
 def test_scaled_plan_agrees_with_the_exact_one() -> None:
-    """The scaling argument, checked where both run: 2,000 clients simulated whole and as 200."""
+    """The scaling argument, checked where both run: 1,000 clients simulated whole and as 100."""
     d = Distributions(start_ms=(100.0, 200.0, 400.0), service_ms=(20.0, 50.0), retire_prob=0.01)
-    load = Load(2000, think_ms=1000.0, max_jobs_per_sandbox=20, create_rate=60.0, burst=100, horizon_s=60)
-    exact = plan(load, d, target_p99_ms=50.0, exact_max=2000)
-    scaled = plan(load, d, target_p99_ms=50.0, exact_max=200)
+    load = Load(1000, think_ms=1000.0, max_jobs_per_sandbox=20, create_rate=30.0, burst=50, horizon_s=40)
+    exact = plan(load, d, target_p99_ms=50.0, exact_max=1000)
+    scaled = plan(load, d, target_p99_ms=50.0, exact_max=100)
     assert exact["method"] == "exact" and scaled["scale"] == 10
     assert exact["buffer"] is not None and scaled["buffer"] is not None
     assert abs(scaled["buffer"] - exact["buffer"]) <= 0.25 * exact["buffer"] + 10  # one scaled step
