@@ -27,7 +27,9 @@ Late joiner: one more reader in its own shaped namespace, started idle, fetches 
 plus the deltas after it (``join_frame_bytes`` <= ``join_bound_bytes``).
 
 All processes share this machine's CPUs (publisher, readers, relays, the S3 server): the
-``*_cpu_s`` fields say how much of a sync is CPU work.
+``*_cpu_seconds*`` fields say how much of a sync is CPU work, ``machine_cpu_seconds_p50`` that of
+every process together and ``machine_busy_fraction_p50`` its share of what the cores could give
+in the sync's wall time.
 """
 
 from __future__ import annotations
@@ -104,15 +106,24 @@ class Reader:
             self.proc.wait()
 
 
+def machine_busy_seconds() -> float:
+    """CPU-seconds this machine has spent busy since boot, over all its cores (``/proc/stat``: all
+    but idle and iowait; 10 ms ticks), to say how much of a sync's wall time the cores were full."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def _sync_version(pub: Any, state: dict[str, Any], readers: list[Reader]) -> dict[str, Any]:
     """Publish ``state``, have every reader fetch it; one row of timings and bytes (bits checked)."""
     expect = model_digest(state)
+    busy0 = machine_busy_seconds()
     t0 = time.monotonic()
     info = pub.publish(state)
     t_pub = time.monotonic()
     for r in readers:
         r.ask(info.version)
     got = [r.answer() for r in readers]
+    busy = machine_busy_seconds() - busy0
     bad = [g for g in got if g["version"] != info.version or g["digest"] != expect]
     if bad:
         raise RuntimeError(f"version {info.version}: a reader serves other bits: {bad[0]}")
@@ -122,7 +133,7 @@ def _sync_version(pub: Any, state: dict[str, Any], readers: list[Reader]) -> dic
         "snapshot_started": info.snapshot_started, "snapshot_in_flight": pub.snapshot_in_flight is not None,
         "fetch_seconds": [g["t1"] - g["t0"] for g in got], "notify_seconds": [g["t0"] - t_pub for g in got],
         "wire_bytes": [g["wire_bytes"] for g in got], "frame_bytes": [g["frame_bytes"] for g in got],
-        "cpu_seconds": [g["cpu_s"] for g in got],
+        "cpu_seconds": [g["cpu_s"] for g in got], "machine_cpu_seconds": busy,
     }
 
 
@@ -212,9 +223,16 @@ def summarize(out: dict[str, Any], lr: float, readers: int, rtt_ms: float, link_
         "publish_seconds_p50": statistics.median(r["publish_seconds"] for r in deltas),
         "fetch_seconds_p50": med("fetch_seconds"), "reader_cpu_seconds_p50": med("cpu_seconds"),
         "notify_seconds_p50": med("notify_seconds"),
+        # every process's CPU in a sync (publisher, readers, relays, S3 server), and its share of
+        # what the cores could give in that wall time (1.0: every core busy throughout)
+        "machine_cpu_seconds_p50": statistics.median(r["machine_cpu_seconds"] for r in deltas),
+        "machine_busy_fraction_p50": statistics.median(r["machine_cpu_seconds"] / (r["seconds"] * (os.cpu_count() or 1))
+                                                      for r in deltas),
+        "cores": os.cpu_count(),
         "memory_gbps": mem_bw / 1e9, "train_step_seconds": out["train_step_seconds"],
         "per_version": [{k: r[k] for k in ("version", "kind", "seconds", "publish_seconds", "bytes_written",
-                                           "wire_bytes", "fetch_seconds", "cpu_seconds", "snapshot_in_flight")}
+                                           "wire_bytes", "fetch_seconds", "cpu_seconds", "machine_cpu_seconds",
+                                           "snapshot_in_flight")}
                         for r in rows],
         **out["join"],
     }
