@@ -11,6 +11,8 @@ a broken vLLM environment refused at provision before any trainer rank starts.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -129,11 +131,28 @@ def test_openai_client_is_answered_by_vllms_server(worker: dict[str, Any]) -> No
         assert httpx.post(service.url + path, json={}, timeout=30).status_code == 401, path
 
 
-def test_flow_with_vllm_rollouts(tmp_path: Path) -> None:
-    proc = subprocess.run(cli(tmp_path / "runs", "sync", "--set", "rollout.type=vllm", "--set", "trainer.steps=3",
-                              "--set", "rollout.start_timeout_s=600"),
-                          cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+@pytest.fixture(scope="module", autouse=True)
+def vllm_flow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """The flow run of :func:`test_flow_with_vllm_rollouts`, started when this module starts: its
+    vLLM worker starts up (~100 s on 2 CPUs) while the tests of the ``worker`` fixture run."""
+    root = tmp_path_factory.mktemp("vllmflow")
+    log = (root / "cli.log").open("wb")
+    proc = subprocess.Popen(cli(root / "runs", "sync", "--set", "rollout.type=vllm", "--set", "trainer.steps=3",
+                                "--set", "rollout.start_timeout_s=600"),
+                            cwd=REPO, env=run_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc, root
+    finally:
+        log.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_flow_with_vllm_rollouts(vllm_flow: tuple[subprocess.Popen, Path]) -> None:
+    proc, tmp_path = vllm_flow
+    proc.wait(timeout=900)
+    assert proc.returncode == 0, (tmp_path / "cli.log").read_text(errors="replace")[-4000:]
     summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
     assert summary["steps"] == 3 and summary["final_weight_version"] == 4
     run = tmp_path / "runs" / "store" / "runs" / summary["run_id"]
