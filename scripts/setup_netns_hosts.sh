@@ -12,15 +12,7 @@ PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
 install() {
-  missing=()
-  command -v sshd >/dev/null || [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
-  command -v ssh >/dev/null || missing+=(openssh-client)
-  command -v ip >/dev/null || missing+=(iproute2)
-  command -v unshare >/dev/null || missing+=(util-linux)
-  if [ ${#missing[@]} -gt 0 ]; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  fi
+  scripts/install_packages.sh sshd:openssh-server ssh:openssh-client ip:iproute2 unshare:util-linux
   mkdir -p /run/sshd
 }
 

@@ -29,23 +29,9 @@ else
 fi
 
 # ---------------------------------------------------------------------------------- 1. packages
-missing=()
-command -v bwrap >/dev/null || missing+=(bubblewrap)
-command -v debootstrap >/dev/null || missing+=(debootstrap)
-[ -x /usr/bin/python3 ] || missing+=(python3)
-if [ "${DELTALOOP_NO_DOCKER:-0}" != 1 ]; then
-  command -v dockerd >/dev/null || missing+=(docker.io)
-fi
-if [ ${#missing[@]} -gt 0 ]; then
-  if [ "$SUDO_OK" = 1 ]; then
-    log "installing ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  else
-    log "missing ${missing[*]} and not root: install them first"; exit 1
-  fi
-fi
+pkgs=(bwrap:bubblewrap debootstrap:debootstrap /usr/bin/python3:python3)
+[ "${DELTALOOP_NO_DOCKER:-0}" = 1 ] || pkgs+=(dockerd:docker.io)
+"$(dirname "$0")/install_packages.sh" "${pkgs[@]}"
 [ "${DELTALOOP_NO_DOCKER:-0}" = 1 ] && { log "DELTALOOP_NO_DOCKER=1: done (bwrap only)"; exit 0; }
 
 # ---------------------------------------------------------------------------------- 2. dockerd

@@ -4,15 +4,8 @@
 # Idempotent and quick when everything is present. Run after scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then
-    echo "[setup-ui] installing chromium and chromium-driver"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
-  else
-    echo "[setup-ui] WARNING: chromium/chromedriver missing and not root; install Debian's chromium chromium-driver" >&2
-  fi
-fi
+scripts/install_packages.sh chromium:chromium chromedriver:chromium-driver \
+  || echo "[setup-ui] WARNING: without chromium and chromedriver the headless UI test fails" >&2
 if ! .venv/bin/python -c "import selenium" >/dev/null 2>&1; then
   echo "[setup-ui] installing selenium into .venv"
   .venv/bin/pip install -q --disable-pip-version-check "selenium>=4.20" 2>&1 | grep -v "^WARNING: Location" || true

@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 logs="${DELTALOOP_STATE:-.state}/logs"
 mkdir -p "$logs"
-echo "[services] system packages"; scripts/install_packages.sh
+echo "[services] system packages"; scripts/install_packages.sh && echo "[packages] ready"
 echo "[services] sandbox runtimes, in the background (log: $logs/setup_sandbox.log)"
 scripts/setup_sandbox.sh >"$logs/setup_sandbox.log" 2>&1 &
 sandbox=$!
