@@ -132,9 +132,14 @@ def test_openai_client_is_answered_by_vllms_server(worker: dict[str, Any]) -> No
 
 
 @pytest.fixture(scope="module", autouse=True)
-def vllm_flow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, Path]]:
+def vllm_flow(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen, Path] | None]:
     """The flow run of :func:`test_flow_with_vllm_rollouts`, started when this module starts: its
-    vLLM worker starts up (~100 s on 2 CPUs) while the tests of the ``worker`` fixture run."""
+    vLLM worker starts up (~100 s on 2 CPUs) while the tests of the ``worker`` fixture run. None
+    when that test is not selected (nothing is started)."""
+    if not any(item.name == "test_flow_with_vllm_rollouts" for item in request.session.items):
+        yield None
+        return
     root = tmp_path_factory.mktemp("vllmflow")
     log = (root / "cli.log").open("wb")
     proc = subprocess.Popen(cli(root / "runs", "sync", "--set", "rollout.type=vllm", "--set", "trainer.steps=3",
@@ -149,7 +154,8 @@ def vllm_flow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subpro
             proc.wait()
 
 
-def test_flow_with_vllm_rollouts(vllm_flow: tuple[subprocess.Popen, Path]) -> None:
+def test_flow_with_vllm_rollouts(vllm_flow: tuple[subprocess.Popen, Path] | None) -> None:
+    assert vllm_flow is not None  # (the fixture starts the run whenever this test is selected)
     proc, tmp_path = vllm_flow
     proc.wait(timeout=900)
     assert proc.returncode == 0, (tmp_path / "cli.log").read_text(errors="replace")[-4000:]
