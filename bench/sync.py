@@ -55,6 +55,7 @@ def table(records: list[dict[str, Any]], hardware: str) -> Any:
     t = Table(title=f"weight sync per placement — {hardware}")
     cols = [("placement", "placement", "{}"), ("readers", "readers", "{}"), ("RTT ms", "rtt_ms", "{:g}"),
             ("MB/s", "link_mbps", "{:g}"), ("lr", "lr", "{:g}"), ("versions", "versions", "{}"),
+            ("shard KiB", "delta_shard_kib", "{:g}"),
             ("p50 s", "p50_seconds", "{:.3f}"), ("p99 s", "p99_seconds", "{:.3f}"),
             ("floor s", "floor_seconds", "{:.3f}"), ("full s", "full_seconds", "{:.2f}"),
             ("x full", "speedup_vs_full", "{:.1f}"),
@@ -73,11 +74,12 @@ def table(records: list[dict[str, Any]], hardware: str) -> Any:
 
 def run(json_path: Path, quick: bool, *, readers: int = 4, rtt_ms: float = 40.0, link_mbps: float = 50.0,
         versions: int | None = None, lr: list[float] | None = None,
-        placement: list[str] | None = None) -> list[dict[str, Any]]:
+        placement: list[str] | None = None, delta_shard_kib: list[int] | None = None) -> list[dict[str, Any]]:
     """Run the placements asked for (default all); print a table; write the records to ``json_path``.
 
     ``readers``/``rtt_ms``/``link_mbps``/``versions``/``lr`` set the object_store WAN run (defaults:
-    4 readers, 40 ms, 50 MB/s, 51 versions (12 quick), lr 1e-6, 3e-6, 1e-5 (1e-6 quick))."""
+    4 readers, 40 ms, 50 MB/s, 51 versions (12 quick), lr 1e-6, 3e-6, 1e-5 (1e-6 quick));
+    ``delta_shard_kib`` runs it once per publisher delta shard size (default: the shipped one)."""
     from rich.console import Console
 
     from bench.sync_wan import records as wan_records
@@ -93,13 +95,17 @@ def run(json_path: Path, quick: bool, *, readers: int = 4, rtt_ms: float = 40.0,
     out: list[dict[str, Any]] = []
     if "object_store" in chosen:
         out += wan_records(quick, readers=readers, rtt_ms=rtt_ms, link_mbps=link_mbps, versions=versions,
-                           lrs=tuple(lr) if lr else None, log=console.print,
+                           lrs=tuple(lr) if lr else None,
+                           delta_shard_bytes=tuple(k << 10 for k in delta_shard_kib) if delta_shard_kib else None,
+                           log=console.print,
                            done=lambda recs: write_json_atomic(Path(f"{json_path}.partial"), recs, indent=2))
     for p in ("broadcast", "colocated"):
         if p in chosen:
             out += _other(p, quick, console.print)
     for r in out:
         r.setdefault("hardware", hw)
+        if "delta_shard_bytes" in r:
+            r["delta_shard_kib"] = r["delta_shard_bytes"] / 1024
     console.print(table(out, hw))
     for r in out:
         if r.get("placement") == "object_store":

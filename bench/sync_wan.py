@@ -153,8 +153,10 @@ def _join(joiner: Reader, version: int, rows: list[dict[str, Any]], state_digest
 
 
 def run_lr(links: WanLinks, endpoints: list[str], pub_endpoint: str, model: tuple[dict, dict], lr: float,
-           versions: int, join_at: int, workdir: str, shape: tuple[int, int]) -> dict[str, Any]:
-    """Publish ``versions`` AdamW versions at ``lr`` to the readers; the rows and the joiner's record."""
+           versions: int, join_at: int, workdir: str, shape: tuple[int, int],
+           delta_shard_bytes: int | None = None) -> dict[str, Any]:
+    """Publish ``versions`` AdamW versions at ``lr`` to the readers; the rows and the joiner's record.
+    ``delta_shard_bytes`` None keeps the publisher's default."""
     from bench.weightsync import train_versions
     from infra.storage import S3Store
     from infra.weightsync import VersionPublisher
@@ -163,8 +165,9 @@ def run_lr(links: WanLinks, endpoints: list[str], pub_endpoint: str, model: tupl
     S3Store(f"s3://{bucket}", endpoint_url=pub_endpoint).ensure_bucket()
     n = len(endpoints) - 1  # the last namespace is the late joiner's
     readers = [Reader(links, i, endpoints[i], bucket, prefix, f"{workdir}/reader{i}.log") for i in range(n + 1)]
+    shard_opt = {} if delta_shard_bytes is None else {"delta_shard_bytes": delta_shard_bytes}
     pub = VersionPublisher(S3Store(f"s3://{bucket}", endpoint_url=pub_endpoint), prefix,
-                           threads=os.cpu_count() or 2)
+                           threads=os.cpu_count() or 2, **shard_opt)
     rows: list[dict[str, Any]] = []
     joined: dict[str, Any] = {}
     try:
@@ -180,7 +183,7 @@ def run_lr(links: WanLinks, endpoints: list[str], pub_endpoint: str, model: tupl
             if v == join_at:
                 joined = _join(readers[n], v, rows, model_digest(state))
         snap = {"snapshot_bytes": pub.snapshot_bytes_written, "newest_start": pub.last_start,
-                "snapshot_in_flight_at_end": pub.snapshot_in_flight}
+                "snapshot_in_flight_at_end": pub.snapshot_in_flight, "delta_shard_bytes": pub.delta_shard_bytes}
     finally:
         pub.close()
         for r in readers:
@@ -257,9 +260,12 @@ def _exit_on_sigterm() -> Iterator[None]:
 
 def records(quick: bool, readers: int = 4, rtt_ms: float = 40.0, link_mbps: float = 50.0,
             versions: int | None = None, lrs: tuple[float, ...] | None = None,
+            delta_shard_bytes: tuple[int, ...] | None = None,
             log: Any = print, done: Any = None) -> list[dict[str, Any]]:
-    """The object_store WAN records (one per learning rate); see the module docstring. ``done``,
-    when given, is called with the records so far after each learning rate (a long run keeps them)."""
+    """The object_store WAN records (one per learning rate and delta shard size); see the module
+    docstring. ``delta_shard_bytes`` compares publisher shard sizes side by side through the same
+    links (None: the publisher's default). ``done``, when given, is called with the records so far
+    after each record (a long run keeps them)."""
     from bench.s3local import moto_server
     from bench.weightsync import load_smollm2
     from infra.gcpause import freeze_startup_objects
@@ -278,10 +284,12 @@ def records(quick: bool, readers: int = 4, rtt_ms: float = 40.0, link_mbps: floa
         endpoints = links.start_relays(port, d)
         log(f"links up: {readers} readers + 1 joiner, RTT {rtt_ms:g} ms, {link_mbps:g} MB/s each way, "
             f"latency by {links.latency_method}")
-        for lr in lrs:
+        for lr, shard in [(lr, s) for lr in lrs for s in (delta_shard_bytes or (None,))]:
             t0 = time.perf_counter()
-            res = run_lr(links, endpoints, f"http://{links.server_addr}:{port}", model, lr, versions, join_at, d, shape)
+            res = run_lr(links, endpoints, f"http://{links.server_addr}:{port}", model, lr, versions, join_at, d, shape,
+                         shard)
             rec = summarize(res, lr, readers, rtt_ms, link_mbps, mem_bw)
+            rec["delta_shard_bytes"] = res["delta_shard_bytes"]
             rec.update({"latency_method": links.latency_method, "latency_note": links.latency_note,
                         "params": sum(p.numel() for p in model[0].values()), "layers": model[1]["layers"],
                         "quick": quick, "seconds_total": time.perf_counter() - t0,
@@ -289,6 +297,6 @@ def records(quick: bool, readers: int = 4, rtt_ms: float = 40.0, link_mbps: floa
             out.append(rec)
             if done is not None:
                 done(out)
-            log(f"object_store lr {lr:g}: p50 {rec['p50_seconds']:.3f}s p99 {rec['p99_seconds']:.3f}s "
+            log(f"object_store lr {lr:g}, delta shards {rec['delta_shard_bytes'] >> 10} KiB: p50 {rec['p50_seconds']:.3f}s p99 {rec['p99_seconds']:.3f}s "
                 f"full {rec['full_seconds']:.2f}s ({rec['seconds_total']:.0f}s)")
     return out

@@ -33,6 +33,9 @@ def register(app: typer.Typer) -> None:
         lr: Optional[list[str]] = typer.Option(None, "--lr", help="sync: learning rates (repeatable or a,b,c)."),
         placement: Optional[list[str]] = typer.Option(
             None, "--placement", help="sync: object_store, broadcast, colocated (repeatable or a,b)."),
+        delta_shard_kib: Optional[list[str]] = typer.Option(
+            None, "--delta-shard-kib",
+            help="sync: object_store once per publisher delta shard size, KiB (repeatable or a,b; shipped 1024)."),
     ) -> None:
         """Run benchmark NAME; print a table and write JSON to --json."""
         from bench import BENCHMARKS
@@ -42,8 +45,16 @@ def register(app: typer.Typer) -> None:
         except ValueError as exc:
             typer.echo(str(exc), err=True)
             raise typer.Exit(2)
-        given = {"seed": seed, "readers": readers, "rtt_ms": rtt_ms, "link_mbps": link_mbps,
-                 "versions": versions, "lr": _split(lr, float), "placement": _split(placement, str)}
+        try:
+            given = {"seed": seed, "readers": readers, "rtt_ms": rtt_ms, "link_mbps": link_mbps,
+                     "versions": versions, "lr": _split(lr, float), "placement": _split(placement, str),
+                     "delta_shard_kib": _split(delta_shard_kib, int)}
+        except ValueError as exc:
+            typer.echo(f"bad option value: {exc}", err=True)
+            raise typer.Exit(2)
+        if any(k <= 0 for k in given["delta_shard_kib"] or ()):
+            typer.echo("--delta-shard-kib takes positive sizes", err=True)
+            raise typer.Exit(2)
         kwargs = {k: v for k, v in given.items() if v is not None}
         accepted = inspect.signature(run_bench).parameters
         for key in kwargs:

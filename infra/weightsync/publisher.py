@@ -29,11 +29,13 @@ Streaming and memory bound: chunks (``chunk_bytes``, default 4 MiB) are encoded 
 workers with at most ``2 * threads`` tasks in flight (a task is one full-version chunk, or
 ``DELTA_TASK_CHUNKS`` delta chunks, whose frames are small); frames are appended in chunk order to
 shards that upload on ``io_threads`` threads while encoding continues, with at most
-``2 * io_threads`` shards queued. Delta frames go to small shards (``delta_shard_bytes``, default
-256 KiB), so a small delta uploads while the rest of the model is still being encoded rather than
-as one object after the last chunk (at lr 1e-6 the whole delta is ~0.75 MB, 15 ms of a 50 MB/s
-link); the last, partly filled delta shard is not uploaded on its own but carried by the manifest
-object, so one PUT follows the last chunk. Peak extra memory over the base copy is about
+``2 * io_threads`` shards queued. Delta frames go to shards of ``delta_shard_bytes`` (default
+1 MiB): a large delta uploads while the rest of the model is still being encoded rather than as one
+object after the last chunk, and the last, partly filled delta shard is not uploaded on its own but
+carried by the manifest object, so one PUT follows the last chunk. At lr 1e-6 the whole delta
+(~0.75 MB, 15 ms of a 50 MB/s link) fits that one shard, so a reader gets a version in one GET and
+one round trip; 256 KiB shards cost it a second round trip (~55 ms more time-to-all-readers in a
+side-by-side run, ``docs/weightsync.md``). Peak extra memory over the base copy is about
 ``2*threads*chunk_bytes*3 + (2*io_threads+2)*shard_bytes`` for a full version (~350 MiB at
 defaults; a delta at lr 1e-6 is ~0.5% of the model), plus one model copy while a snapshot is in
 flight. A version becomes visible when its manifest is written, after every shard upload
@@ -126,7 +128,7 @@ class VersionPublisher:
         *,
         chunk_bytes: int = 4 << 20,
         shard_bytes: int = 32 << 20,
-        delta_shard_bytes: int = 256 << 10,
+        delta_shard_bytes: int = 1 << 20,
         io_threads: int = 4,
         keep_versions: int = 0,
     ) -> None:

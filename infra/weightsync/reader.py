@@ -158,7 +158,7 @@ class VersionReader:
                 raise VersionNotFound("not committed (no manifest) or collected", version=version) from None
             except WeightSyncError as exc:
                 raise exc.at(key) from None
-            if len(self._manifests) > 64:  # (they carry the last delta frames: <= delta_shard_bytes each)
+            if len(self._manifests) > 64:  # (each carries its last delta frames, <= delta_shard_bytes: <= 64 MiB at defaults)
                 self._manifests.pop(next(iter(self._manifests)))
             self._manifests[version] = man
         return man

@@ -117,7 +117,7 @@ def test_bench_sync_quick_through_shaped_links(tmp_path: Path) -> None:
     before = set(netns_list())
     res = subprocess.run([sys.executable, "-m", "deltaloop.cli", "bench", "sync", "--quick", "--placement",
                           "object_store", "--readers", "2", "--versions", "8", "--rtt-ms", "20",
-                          "--link-mbps", "40", "--json", str(out)],
+                          "--link-mbps", "40", "--delta-shard-kib", "64", "--json", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=str(Path(__file__).resolve().parents[2]))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = json.loads(out.read_text())
@@ -126,6 +126,7 @@ def test_bench_sync_quick_through_shaped_links(tmp_path: Path) -> None:
     for key in KEYS:
         assert key in rec, key
     assert (rec["readers"], rec["rtt_ms"], rec["link_mbps"], rec["versions"]) == (2, 20, 40, 8)
+    assert rec["delta_shard_bytes"] == 64 << 10  # deltas over several shards and the manifest's tail
     assert rec["floor_seconds"] >= 2 * 0.020 and rec["p50_seconds"] >= rec["floor_seconds"] * 0.8
     assert rec["p50_seconds"] < rec["full_seconds"]
     assert rec["join_bits_ok"] and rec["join_within_bound"] and rec["join_version"] == 6
