@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The test suite as `make test` runs it (after set-up): tests/unit and tests/integration side by
-# side, in two pytest processes. The integration tests spend much of their time waiting on the
-# services they drive (a served Prefect stack, lease expiry, process start-up), and run one at a
-# time; the unit tests are hermetic (no shared service, their own --basetemp), so they fill the
-# idle core. The integration run prints as it goes; the unit run's output follows it (it is also
-# kept in $DELTALOOP_STATE/logs/unit-tests.log). Exits non-zero when either fails.
-# Extra arguments go to both pytest runs (e.g. -x, -k EXPR).
+# side, in two pytest runs. The integration tests spend much of their time waiting on the services
+# they drive (a served Prefect stack, lease expiry, process start-up), so they run on
+# $DELTALOOP_TEST_WORKERS pytest-xdist workers (default 2), a test file per worker at a time
+# (--dist loadfile: a file's module fixtures and background runs stay in one process; each worker
+# has its own Prefect home, tests/conftest.py); the unit tests are hermetic (no shared service,
+# their own --basetemp) and fill what the cores have left. The integration run prints as it goes;
+# the unit run's output follows it (it is also kept in $DELTALOOP_STATE/logs/unit-tests.log).
+# Exits non-zero when either fails. Extra arguments go to both pytest runs (e.g. -x, -k EXPR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logs="${DELTALOOP_STATE:-.state}/logs"
@@ -16,7 +18,7 @@ unit_log="$logs/unit-tests.log"
   >"$unit_log" 2>&1 &
 unit=$!
 trap 'kill "$unit" 2>/dev/null' INT TERM
-.venv/bin/python -m pytest -q --durations=25 "$@" tests/integration
+.venv/bin/python -m pytest -q --durations=25 -n "${DELTALOOP_TEST_WORKERS:-2}" --dist loadfile "$@" tests/integration
 integration_rc=$?
 wait "$unit"
 unit_rc=$?

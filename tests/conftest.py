@@ -12,6 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("DELTALOOP_STATE", ROOT / ".state"))
 os.environ.setdefault("DELTALOOP_STATE", str(STATE))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under pytest-xdist each worker gets its own Prefect home: an ephemeral Prefect server keeps its
+    # sqlite database there, and two servers on one database file block each other's writes.
+    base = os.environ.get("PREFECT_HOME", str(STATE / "prefect"))
+    os.environ["PREFECT_HOME"] = f"{base}-{os.environ['PYTEST_XDIST_WORKER']}"
 from infra.process_env import set_defaults  # noqa: E402
 
 set_defaults()
