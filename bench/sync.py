@@ -55,7 +55,7 @@ def table(records: list[dict[str, Any]], hardware: str) -> Any:
     t = Table(title=f"weight sync per placement — {hardware}")
     cols = [("placement", "placement", "{}"), ("readers", "readers", "{}"), ("RTT ms", "rtt_ms", "{:g}"),
             ("MB/s", "link_mbps", "{:g}"), ("lr", "lr", "{:g}"), ("versions", "versions", "{}"),
-            ("shard KiB", "delta_shard_kib", "{:g}"),
+            ("delta shard B", "delta_shard_bytes", "{}"),
             ("p50 s", "p50_seconds", "{:.3f}"), ("p99 s", "p99_seconds", "{:.3f}"),
             ("floor s", "floor_seconds", "{:.3f}"), ("full s", "full_seconds", "{:.2f}"),
             ("x full", "speedup_vs_full", "{:.1f}"),
@@ -104,8 +104,6 @@ def run(json_path: Path, quick: bool, *, readers: int = 4, rtt_ms: float = 40.0,
             out += _other(p, quick, console.print)
     for r in out:
         r.setdefault("hardware", hw)
-        if "delta_shard_bytes" in r:
-            r["delta_shard_kib"] = r["delta_shard_bytes"] / 1024
     console.print(table(out, hw))
     for r in out:
         if r.get("placement") == "object_store":

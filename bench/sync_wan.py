@@ -154,9 +154,8 @@ def _join(joiner: Reader, version: int, rows: list[dict[str, Any]], state_digest
 
 def run_lr(links: WanLinks, endpoints: list[str], pub_endpoint: str, model: tuple[dict, dict], lr: float,
            versions: int, join_at: int, workdir: str, shape: tuple[int, int],
-           delta_shard_bytes: int | None = None) -> dict[str, Any]:
-    """Publish ``versions`` AdamW versions at ``lr`` to the readers; the rows and the joiner's record.
-    ``delta_shard_bytes`` None keeps the publisher's default."""
+           delta_shard_bytes: int) -> dict[str, Any]:
+    """Publish ``versions`` AdamW versions at ``lr`` to the readers; the rows and the joiner's record."""
     from bench.weightsync import train_versions
     from infra.storage import S3Store
     from infra.weightsync import VersionPublisher
@@ -165,9 +164,8 @@ def run_lr(links: WanLinks, endpoints: list[str], pub_endpoint: str, model: tupl
     S3Store(f"s3://{bucket}", endpoint_url=pub_endpoint).ensure_bucket()
     n = len(endpoints) - 1  # the last namespace is the late joiner's
     readers = [Reader(links, i, endpoints[i], bucket, prefix, f"{workdir}/reader{i}.log") for i in range(n + 1)]
-    shard_opt = {} if delta_shard_bytes is None else {"delta_shard_bytes": delta_shard_bytes}
     pub = VersionPublisher(S3Store(f"s3://{bucket}", endpoint_url=pub_endpoint), prefix,
-                           threads=os.cpu_count() or 2, **shard_opt)
+                           threads=os.cpu_count() or 2, delta_shard_bytes=delta_shard_bytes)
     rows: list[dict[str, Any]] = []
     joined: dict[str, Any] = {}
     try:
@@ -183,7 +181,7 @@ def run_lr(links: WanLinks, endpoints: list[str], pub_endpoint: str, model: tupl
             if v == join_at:
                 joined = _join(readers[n], v, rows, model_digest(state))
         snap = {"snapshot_bytes": pub.snapshot_bytes_written, "newest_start": pub.last_start,
-                "snapshot_in_flight_at_end": pub.snapshot_in_flight, "delta_shard_bytes": pub.delta_shard_bytes}
+                "snapshot_in_flight_at_end": pub.snapshot_in_flight}
     finally:
         pub.close()
         for r in readers:
@@ -269,6 +267,7 @@ def records(quick: bool, readers: int = 4, rtt_ms: float = 40.0, link_mbps: floa
     from bench.s3local import moto_server
     from bench.weightsync import load_smollm2
     from infra.gcpause import freeze_startup_objects
+    from infra.weightsync.publisher import DEFAULT_DELTA_SHARD_BYTES
 
     lrs = lrs or (LRS[:1] if quick else LRS)
     versions = versions or (12 if quick else 51)
@@ -284,19 +283,18 @@ def records(quick: bool, readers: int = 4, rtt_ms: float = 40.0, link_mbps: floa
         endpoints = links.start_relays(port, d)
         log(f"links up: {readers} readers + 1 joiner, RTT {rtt_ms:g} ms, {link_mbps:g} MB/s each way, "
             f"latency by {links.latency_method}")
-        for lr, shard in [(lr, s) for lr in lrs for s in (delta_shard_bytes or (None,))]:
+        for lr, shard in [(lr, s) for lr in lrs for s in (delta_shard_bytes or (DEFAULT_DELTA_SHARD_BYTES,))]:
             t0 = time.perf_counter()
             res = run_lr(links, endpoints, f"http://{links.server_addr}:{port}", model, lr, versions, join_at, d, shape,
                          shard)
             rec = summarize(res, lr, readers, rtt_ms, link_mbps, mem_bw)
-            rec["delta_shard_bytes"] = res["delta_shard_bytes"]
-            rec.update({"latency_method": links.latency_method, "latency_note": links.latency_note,
+            rec.update({"delta_shard_bytes": shard, "latency_method": links.latency_method, "latency_note": links.latency_note,
                         "params": sum(p.numel() for p in model[0].values()), "layers": model[1]["layers"],
                         "quick": quick, "seconds_total": time.perf_counter() - t0,
                         "load_avg_1min": os.getloadavg()[0]})
             out.append(rec)
             if done is not None:
                 done(out)
-            log(f"object_store lr {lr:g}, delta shards {rec['delta_shard_bytes'] >> 10} KiB: p50 {rec['p50_seconds']:.3f}s p99 {rec['p99_seconds']:.3f}s "
-                f"full {rec['full_seconds']:.2f}s ({rec['seconds_total']:.0f}s)")
+            log(f"object_store lr {lr:g}, delta shards {shard >> 10} KiB: p50 {rec['p50_seconds']:.3f}s "
+                f"p99 {rec['p99_seconds']:.3f}s full {rec['full_seconds']:.2f}s ({rec['seconds_total']:.0f}s)")
     return out

@@ -91,6 +91,7 @@ log = logging.getLogger(__name__)
 
 DELTA_TASK_CHUNKS = 4  # chunks per encode task of a delta version
 DEFAULT_CHAIN_FRACTION = 1.0  # see the module docstring
+DEFAULT_DELTA_SHARD_BYTES = 1 << 20  # see the module docstring (streaming)
 
 
 @dataclass
@@ -128,7 +129,7 @@ class VersionPublisher:
         *,
         chunk_bytes: int = 4 << 20,
         shard_bytes: int = 32 << 20,
-        delta_shard_bytes: int = 1 << 20,
+        delta_shard_bytes: int = DEFAULT_DELTA_SHARD_BYTES,
         io_threads: int = 4,
         keep_versions: int = 0,
     ) -> None:

@@ -8,12 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from deltaloop import cli_sandbox
 from infra.config import SandboxConfig
 from infra.sandbox import SandboxError, TestCase, VerifyRequest, create_pool
+from tests.cli_helpers import cli_app
 
 RUNTIMES = ["bwrap", pytest.param("docker", marks=pytest.mark.docker)]
 
@@ -34,31 +34,20 @@ def _need(runtime: str) -> None:
             pytest.skip(f"docker daemon unreachable: {exc}")
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    cli_sandbox.register(app)
-
-    @app.command("noop")
-    def noop() -> None:  # a second command keeps typer from collapsing the group
-        pass
-
-    return app
-
-
 @pytest.mark.parametrize("runtime", RUNTIMES)
 def test_cli_exec_prints_one_json_and_exits_zero(runtime: str, tmp_path: Path) -> None:
     _need(runtime)
     runner = CliRunner()
     prog = tmp_path / "p.py"
     prog.write_text("import sys\nprint('out')\nprint('err', file=sys.stderr)\nraise SystemExit(7)\n")
-    res = runner.invoke(_app(), ["sandbox", "exec", "--runtime", runtime, str(prog), "--timeout", "5"])
+    res = runner.invoke(cli_app(cli_sandbox.register), ["sandbox", "exec", "--runtime", runtime, str(prog), "--timeout", "5"])
     assert res.exit_code == 0, res.output
     obj = json.loads(res.stdout.strip().splitlines()[-1])
     assert {"exit_code", "reason", "stdout_tail", "stderr_tail", "wall_seconds"} <= set(obj)
     assert (obj["exit_code"], obj["reason"], obj["stdout_tail"]) == (7, "error", "out\n")
     assert "err" in obj["stderr_tail"]
     prog.write_text("while True:\n    pass\n")
-    res = runner.invoke(_app(), ["sandbox", "exec", "--runtime", runtime, str(prog), "--timeout", "0.3"])
+    res = runner.invoke(cli_app(cli_sandbox.register), ["sandbox", "exec", "--runtime", runtime, str(prog), "--timeout", "0.3"])
     assert res.exit_code == 0 and json.loads(res.stdout.strip().splitlines()[-1])["reason"] == "timeout"
 
 

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from infra.storage import S3Store
 from infra.weightsync import MissingObject, VersionPublisher, VersionReader, collect
+from tests.cli_helpers import cli_app
 from tests.weightsync_helpers import Drift, same
 
 PREFIX = "runs/s3/weights"
@@ -66,17 +67,9 @@ def test_missing_object_over_s3(store: S3Store) -> None:
 
 
 def test_cli_over_s3(s3_bucket: str, s3_endpoint: str, tmp_path: Path) -> None:
-    import typer
-
     from deltaloop.cli_sync import register
 
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """deltaloop"""
-
-    register(app)
+    app = cli_app(register)
     src = tmp_path / "src"
     src.mkdir()
     save_file(Drift().bf16(), str(src / "model.safetensors"))

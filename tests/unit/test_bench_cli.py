@@ -5,21 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from deltaloop.cli_bench import register
-
-
-def _app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """deltaloop"""
-
-    register(app)
-    return app
+from tests.cli_helpers import cli_app
 
 
 @pytest.mark.parametrize("args, message", [
@@ -32,7 +21,7 @@ def _app() -> typer.Typer:
 ])
 def test_bad_bench_options_exit_2_without_running(tmp_path: Path, args: list[str], message: str) -> None:
     out = tmp_path / "b.json"
-    res = CliRunner().invoke(_app(), ["bench", *args, "--json", str(out)])
+    res = CliRunner().invoke(cli_app(register), ["bench", *args, "--json", str(out)])
     assert res.exit_code == 2, res.output
     assert message in res.output
     assert not out.exists()

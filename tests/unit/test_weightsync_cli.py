@@ -5,23 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import typer
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from deltaloop.cli_sync import register
+from tests.cli_helpers import cli_app
 from tests.weightsync_helpers import Drift
-
-
-def _app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """deltaloop"""
-
-    register(app)
-    return app
 
 
 def _write_model(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -45,7 +34,7 @@ def _same_folder(a: Path, b: Path) -> None:
 
 def test_publish_fetch_byte_identical(tmp_path: Path) -> None:
     runner = CliRunner()
-    app = _app()
+    app = cli_app(register)
     store = f"file://{tmp_path / 'store'}"
     d = Drift()
     src, out = tmp_path / "src", tmp_path / "out"
