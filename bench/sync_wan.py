@@ -11,8 +11,9 @@ published as the next version by a :class:`VersionPublisher` with the shipped sn
 (snapshots in the background lane, uploading while later deltas commit). Training is untimed and
 runs between syncs. Per version, seconds from ``publish`` called ("the trainer has the new
 weights") to the last reader's fetch returning (the version applied in place, every chunk's digest
-verified), and the bytes each reader's link received; each reader's whole-model digest is then
-compared with the published one. Version 1 is the full model (zstd) through the same links: its
+verified), and the bytes each reader's link received; once every reader has answered, each
+reader's whole-model digest is compared with the published one (outside the timed window, so no
+reader's check competes with another's fetch for the shared cores). Version 1 is the full model (zstd) through the same links: its
 time is ``full_seconds``, and ``full_floor_seconds`` is what the links alone would allow for it (its
 measured time also pays the S3 server's and the readers' CPU). ``floor_seconds`` (median over the delta versions) = 2 x RTT + the bytes a
 reader received / link rate + one pass over the model at this machine's memory copy bandwidth.
@@ -86,6 +87,12 @@ class Reader:
         self.proc.stdin.write(json.dumps({"fetch": version}) + "\n")
         self.proc.stdin.flush()
 
+    def ask_digest(self) -> None:
+        """Ask for the digest of the weights it holds (the bits check, after the timed fetch)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"digest": 1}) + "\n")
+        self.proc.stdin.flush()
+
     def answer(self) -> dict[str, Any]:
         """The next JSON line the reader prints; RuntimeError with its log if it died."""
         assert self.proc.stdout is not None
@@ -124,6 +131,10 @@ def _sync_version(pub: Any, state: dict[str, Any], readers: list[Reader]) -> dic
         r.ask(info.version)
     got = [r.answer() for r in readers]
     busy = machine_busy_seconds() - busy0
+    for r in readers:  # the bits check, once every reader has answered: it is not part of the sync
+        r.ask_digest()
+    for g, r in zip(got, readers):
+        g["digest"] = r.answer()["digest"]
     bad = [g for g in got if g["version"] != info.version or g["digest"] != expect]
     if bad:
         raise RuntimeError(f"version {info.version}: a reader serves other bits: {bad[0]}")
@@ -141,6 +152,8 @@ def _join(joiner: Reader, version: int, rows: list[dict[str, Any]], state_digest
     """The late joiner fetches ``version`` from nothing; its bytes against one start + the deltas after."""
     joiner.ask(version)
     g = joiner.answer()
+    joiner.ask_digest()
+    g["digest"] = joiner.answer()["digest"]
     start = int(str(g["path"]).split()[-1])  # "keyframe K" / "snapshot K"
     start_bytes = rows[0]["bytes_written"]  # a start is the whole model, zstd (version 1's size)
     bound = start_bytes + sum(r["bytes_written"] for r in rows if start < r["version"] <= version)
