@@ -444,7 +444,13 @@ def _rice_write(pos: Any, out: Any, off: int) -> int:  # pragma: no cover
 
 @_jit
 def _rice_read(buf: Any, off: int, limit: int) -> Any:  # pragma: no cover
-    """Decode rice positions at ``buf[off:]``; (positions, end offset); raises on bad streams."""
+    """Decode rice positions at ``buf[off:]``; (positions, end offset); raises on bad streams.
+
+    Both streams are read through a 64-bit register (MSB first, refilled a byte at a time): a
+    unary part is the register's leading zeros, a remainder its top ``k`` bits. Against reading
+    them a byte at a time: 1.05-1.6x on synthetic streams (the more the changes, the smaller
+    ``k``, the larger the gain), 1.13x / 1.2x on the position streams of SmolLM2-135M versions
+    with 1M / 6M changed words (2-vCPU AMD EPYC VM)."""
     if off + RICE_HDR > buf.shape[0]:
         raise ValueError("position stream truncated")
     k = np.int64(buf[off])
@@ -462,41 +468,65 @@ def _rice_read(buf: Any, off: int, limit: int) -> Any:  # pragma: no cover
     if off + ulen + rlen > buf.shape[0]:
         raise ValueError("position stream truncated")
     out = np.empty(n, np.int64)
-    bit = 0
+    uend = off + ulen
+    ui = off  # next unary byte to load
+    ua = _U0  # unary bits not yet consumed, MSB first; ua_n of them are valid
+    ua_n = 0
+    used = 0  # unary bits consumed
+    r = uend  # next remainder byte to load
+    rend = uend + rlen
+    ra = _U0  # remainder bits, MSB first; ra_n valid
+    ra_n = 0
     prev = -1
-    r = off + ulen
-    acc = _U0
-    nb = 0
     for i in range(n):
-        byte = bit >> 3
-        v = np.int64(buf[off + byte]) & (0xFF >> (bit & 7))
-        while v == 0:
-            byte += 1
-            if byte >= ulen:
+        q = 0
+        while ua == _U0:  # the valid bits left are zeros: count them, load more
+            q += ua_n
+            used += ua_n
+            ua_n = 0
+            while ua_n <= 56 and ui < uend:
+                ua |= np.uint64(buf[ui]) << np.uint64(56 - ua_n)
+                ua_n += 8
+                ui += 1
+            if ua_n == 0:
                 raise ValueError("position stream inconsistent")
-            v = np.int64(buf[off + byte])
-        term = byte * 8 + np.int64(leading_zeros(np.uint8(v)))
-        if term >= ubits:
+        lz = np.int64(leading_zeros(ua))
+        q += lz
+        used += lz + 1
+        ua_n -= lz + 1
+        ua = (ua << np.uint64(lz)) << _U1
+        if used > ubits:  # the terminating bit lies beyond the stream's unary bits
             raise ValueError("position stream inconsistent")
-        q = term - bit
-        bit = term + 1
-        rem = _U0
-        kk = k
-        while kk > 0:
-            step = kk if kk <= 32 else 32
-            kk -= step
-            while nb < step:
-                acc = (acc << _U8) | np.uint64(buf[r])
-                r += 1
-                nb += 8
-            nb -= step
-            rem = (rem << np.uint64(step)) | ((acc >> np.uint64(nb)) & ((_U1 << np.uint64(step)) - _U1))
-        p = prev + 1 + ((q << k) | np.int64(rem))
+        rem = np.int64(0)
+        if 0 < k <= 56:  # the usual case: one read of the register
+            if ra_n < k:
+                while ra_n <= 56 and r < rend:
+                    ra |= np.uint64(buf[r]) << np.uint64(56 - ra_n)
+                    ra_n += 8
+                    r += 1
+            rem = np.int64(ra >> np.uint64(64 - k))
+            ra = ra << np.uint64(k)
+            ra_n -= k
+        elif k > 56:
+            kk = k
+            while kk > 0:
+                step = kk if kk <= 32 else 32
+                kk -= step
+                if ra_n < step:
+                    while ra_n <= 56 and r < rend:
+                        ra |= np.uint64(buf[r]) << np.uint64(56 - ra_n)
+                        ra_n += 8
+                        r += 1
+                rem = (rem << step) | np.int64(ra >> np.uint64(64 - step))
+                ra = ra << np.uint64(step)
+                ra_n -= step
+        p = prev + 1 + ((q << k) | rem)
         if p <= prev or p >= limit:
             raise ValueError("position beyond tensor end")
         out[i] = p
         prev = p
     # the numpy decoder counts set bits among the first ubits: none may follow the last one
+    bit = used
     while bit < ubits:
         if (np.int64(buf[off + (bit >> 3)]) >> (7 - (bit & 7))) & 1:
             raise ValueError("position stream inconsistent")
