@@ -13,10 +13,11 @@ runs between syncs. Per version, seconds from ``publish`` called ("the trainer h
 weights") to the last reader's fetch returning (the version applied in place, every chunk's digest
 verified), and the bytes each reader's link received; once every reader has answered, each
 reader's whole-model digest is compared with the published one (outside the timed window, so no
-reader's check competes with another's fetch for the shared cores). Version 1 is the full model (zstd) through the same links: its
-time is ``full_seconds``, and ``full_floor_seconds`` is what the links alone would allow for it (its
-measured time also pays the S3 server's and the readers' CPU). ``floor_seconds`` (median over the delta versions) = 2 x RTT + the bytes a
-reader received / link rate + one pass over the model at this machine's memory copy bandwidth.
+reader's check competes with another's fetch for the shared cores). Version 1 is the full model
+(zstd) through the same links: its time is ``full_seconds``, and ``full_floor_seconds`` is what
+the links alone would allow for it (its measured time also pays the S3 server's and the readers'
+CPU). ``floor_seconds`` (median over the delta versions) = 2 x RTT + the bytes a reader received
+/ link rate + one pass over the model at this machine's memory copy bandwidth.
 
 ``amortized_fraction`` = bytes per version after the first (deltas and snapshots, manifests
 included) / bf16 bytes, the larger of: what the publisher uploaded in the run, and the cadence's
@@ -81,17 +82,18 @@ class Reader:
                                          text=True, start_new_session=True)
         self.log = log
 
+    def _send(self, cmd: dict[str, int]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
     def ask(self, version: int) -> None:
         """Send the fetch command (the control plane's "version N is out")."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"fetch": version}) + "\n")
-        self.proc.stdin.flush()
+        self._send({"fetch": version})
 
     def ask_digest(self) -> None:
         """Ask for the digest of the weights it holds (the bits check, after the timed fetch)."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"digest": 1}) + "\n")
-        self.proc.stdin.flush()
+        self._send({"digest": 1})
 
     def answer(self) -> dict[str, Any]:
         """The next JSON line the reader prints; RuntimeError with its log if it died."""
