@@ -338,7 +338,7 @@ class RpcServer:
         self._sock = socket.create_server((bind, 0), backlog=64)
         self._sock.settimeout(0.5)  # the accept loop checks for close() this often
         self.port: int = self._sock.getsockname()[1]
-        self._ready: queue.Queue[Channel] = queue.Queue()
+        self._ready: queue.Queue[Channel | None] = queue.Queue()  # None: closed
         self._max_pending = max_pending
         self._slots = threading.BoundedSemaphore(max_pending)
         self._closed = threading.Event()
@@ -397,25 +397,41 @@ class RpcServer:
         finally:
             self._slots.release()
 
+    def _take_current(self) -> Channel | None:
+        """The current controller's channel, no longer current (:meth:`close` may take it from
+        another thread while the serving thread drops it)."""
+        with self._lock:
+            current, self._current = self._current, None
+        return current
+
     def _drop(self, why: object) -> None:
-        if self._current is not None:
-            log.warning("rpc: controller %s gone: %s", self._current.peer, why)
-            self._current.close()
-            self._current = None
+        current = self._take_current()
+        if current is not None:
+            log.warning("rpc: controller %s gone: %s", current.peer, why)
+            current.close()
 
     def next_command(self, wait_s: float | None = None) -> dict[str, Any]:
         """The controller's next command; ``{"op": "shutdown"}`` when no controller is connected
-        and none authenticates within ``wait_s`` seconds (None: wait for ever)."""
+        and none authenticates within ``wait_s`` seconds (None: wait for ever), or once the server
+        is closed (:meth:`close`)."""
         while True:
-            if self._current is None:
+            current = self._current
+            if current is None:
                 try:
-                    self._current = self._ready.get(timeout=wait_s)
+                    current = self._ready.get(timeout=wait_s)
                 except queue.Empty:
                     log.warning("rpc: no controller connected within %.0fs: shutting down", wait_s or 0)
                     return {"op": "shutdown"}
+                if current is None:  # closed: this and every later call
+                    self._ready.put(None)
+                    return {"op": "shutdown"}
+                self._current = current
                 self.controllers += 1
+                if self._closed.is_set():  # closed while it was handed over (else close() closes it)
+                    self._drop("the server is closed")
+                    continue
             try:
-                cmd = self._current.recv()
+                cmd = current.recv()
             except ChannelError as exc:
                 self._drop(exc)
                 continue
@@ -426,31 +442,38 @@ class RpcServer:
 
     def reply(self, obj: dict[str, Any]) -> None:
         """Answer the current command (dropped, with a log line, if the controller has gone)."""
-        if self._current is None:
+        current = self._current
+        if current is None:
             log.warning("rpc: reply dropped: no controller connected")
             return
         try:
             try:
-                self._current.send(obj, timeout_s=REPLY_TIMEOUT_S)
+                current.send(obj, timeout_s=REPLY_TIMEOUT_S)
             except (TypeError, ValueError) as exc:  # a reply that is not JSON: report it, keep serving
-                self._current.send({"error": f"reply is not JSON: {exc}", "traceback": "", "retryable": False},
-                                   timeout_s=REPLY_TIMEOUT_S)
+                current.send({"error": f"reply is not JSON: {exc}", "traceback": "", "retryable": False},
+                             timeout_s=REPLY_TIMEOUT_S)
         except ChannelError as exc:
             self._drop(exc)
 
     def close(self) -> None:
-        """Stop accepting and close every connection (pending handshakes end at their deadline)."""
+        """Stop accepting and close every connection (pending handshakes end at their deadline).
+
+        A :meth:`next_command` waiting in another thread, or called later, returns
+        ``{"op": "shutdown"}``, so the thread serving commands ends instead of waiting for ever."""
         self._closed.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now (Linux)
         except OSError:
             pass
         self._sock.close()
-        if self._current is not None:
-            self._current.close()
-            self._current = None
+        current = self._take_current()
+        if current is not None:
+            current.close()
         while not self._ready.empty():
-            self._ready.get_nowait().close()
+            channel = self._ready.get_nowait()
+            if channel is not None:
+                channel.close()
+        self._ready.put(None)
         self._thread.join(2)
 
 

@@ -73,12 +73,30 @@ def test_reconnect_after_close(tmp_path: Path) -> None:
     store = FileStore(tmp_path)
     handled: list[dict[str, Any]] = []
     server = serve_listener(store, "ctl.json", KEY, bind="127.0.0.1")
-    serve(server, handled)
+    thread = serve(server, handled)
     for i in range(3):
         client = RpcClient.connect(store, "ctl.json", KEY, 10, alive=_alive)
         assert client.call("ping", alive=_alive, i=i) == {"echo": {"op": "ping", "i": i}}
         client.close()
     assert [c.get("i") for c in handled] == [0, 1, 2] and server.controllers == 3
+    server.close()  # the serving thread gets a shutdown and ends (it would wait for ever otherwise)
+    thread.join(10)
+    assert not thread.is_alive() and handled[-1] == {"op": "shutdown"}
+
+
+def test_close_hands_a_waiting_server_loop_shutdown(tmp_path: Path) -> None:
+    """Closing the server from another thread ends a ``next_command`` that waits for ever, now and
+    on every later call."""
+    server = serve_listener(FileStore(tmp_path), "ctl.json", KEY, bind="127.0.0.1")
+    got: list[dict[str, Any]] = []
+    waiter = threading.Thread(target=lambda: got.append(server.next_command(None)), daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()  # no controller: it waits
+    server.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and got == [{"op": "shutdown"}]
+    assert server.next_command(None) == {"op": "shutdown"}
 
 
 def test_no_controller_means_shutdown(tmp_path: Path) -> None:

@@ -120,6 +120,7 @@ class Service:
 @pytest.fixture()
 def make_service(tmp_path: Path) -> Iterator[Callable[..., Service]]:
     servers: list[RpcServer] = []
+    threads: list[threading.Thread] = []
 
     def make(**kwargs: Any) -> Service:
         svc = Service(FileStore(tmp_path / f"store{len(servers)}"), RpcServer(KEY, "127.0.0.1", **kwargs))
@@ -129,15 +130,22 @@ def make_service(tmp_path: Path) -> Iterator[Callable[..., Service]]:
         def serve() -> None:  # rank 0's loop (infra/train/worker.py main)
             while True:
                 cmd = svc.server.next_command(None)
+                if cmd["op"] == "shutdown":  # the fixture closed the server
+                    return
                 svc.handled.append(cmd)
                 svc.server.reply({"echo": cmd})
 
-        threading.Thread(target=serve, daemon=True).start()
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        threads.append(thread)
         return svc
 
     yield make
     for server in servers:
         server.close()
+    for thread in threads:  # every log line of the loop lands inside this test, none after it
+        thread.join(10)
+        assert not thread.is_alive()
 
 
 def _wait_refused(svc: Service, n: int, within_s: float = 10.0) -> None:
