@@ -442,6 +442,17 @@ def _rice_write(pos: Any, out: Any, off: int) -> int:  # pragma: no cover
     return o
 
 
+@_jit(inline="always")
+def _refill(buf: Any, reg: Any, nbits: int, at: int, end: int) -> Any:  # pragma: no cover
+    """Load bytes ``buf[at:end]`` below the ``nbits`` valid bits of ``reg`` (MSB first) while
+    they fit: returns ``(reg, nbits, at)``, at least 57 bits unless ``end`` came first."""
+    while nbits <= 56 and at < end:
+        reg |= np.uint64(buf[at]) << np.uint64(56 - nbits)
+        nbits += 8
+        at += 1
+    return reg, nbits, at
+
+
 @_jit
 def _rice_read(buf: Any, off: int, limit: int) -> Any:  # pragma: no cover
     """Decode rice positions at ``buf[off:]``; (positions, end offset); raises on bad streams.
@@ -484,10 +495,7 @@ def _rice_read(buf: Any, off: int, limit: int) -> Any:  # pragma: no cover
             q += ua_n
             used += ua_n
             ua_n = 0
-            while ua_n <= 56 and ui < uend:
-                ua |= np.uint64(buf[ui]) << np.uint64(56 - ua_n)
-                ua_n += 8
-                ui += 1
+            ua, ua_n, ui = _refill(buf, ua, ua_n, ui, uend)
             if ua_n == 0:
                 raise ValueError("position stream inconsistent")
         lz = np.int64(leading_zeros(ua))
@@ -500,10 +508,7 @@ def _rice_read(buf: Any, off: int, limit: int) -> Any:  # pragma: no cover
         rem = np.int64(0)
         if 0 < k <= 56:  # the usual case: one read of the register
             if ra_n < k:
-                while ra_n <= 56 and r < rend:
-                    ra |= np.uint64(buf[r]) << np.uint64(56 - ra_n)
-                    ra_n += 8
-                    r += 1
+                ra, ra_n, r = _refill(buf, ra, ra_n, r, rend)
             rem = np.int64(ra >> np.uint64(64 - k))
             ra = ra << np.uint64(k)
             ra_n -= k
@@ -513,10 +518,7 @@ def _rice_read(buf: Any, off: int, limit: int) -> Any:  # pragma: no cover
                 step = kk if kk <= 32 else 32
                 kk -= step
                 if ra_n < step:
-                    while ra_n <= 56 and r < rend:
-                        ra |= np.uint64(buf[r]) << np.uint64(56 - ra_n)
-                        ra_n += 8
-                        r += 1
+                    ra, ra_n, r = _refill(buf, ra, ra_n, r, rend)
                 rem = (rem << step) | np.int64(ra >> np.uint64(64 - step))
                 ra = ra << np.uint64(step)
                 ra_n -= step
