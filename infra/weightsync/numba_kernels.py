@@ -70,24 +70,45 @@ def _emit_lanes(msk: Any, a: int, per: int, lane_bits: int, out: Any, k: int) ->
 
 @_jit
 def changed64(o: Any, n: Any, per: int, high: Any, out: Any) -> int:  # pragma: no cover
-    """Changed lanes of 8-byte words holding ``per`` lanes each.
+    """Changed lanes of 8-byte words holding ``per`` lanes each; returns the count written to
+    ``out``, or -1 when ``out`` may be too small (it needs ``4 * per`` slack past the count).
 
-    One branch per 4 words; in a word that differs, a SWAR test marks the lanes that differ
-    (their top bit in ``high``) and trailing-zero counts walk them. (Reducing 2 KiB pieces to
-    a mask first, as the hot-class scan does, measured slower here: changes are too frequent.)
+    One branch per 4 words; in a group that differs, a SWAR test marks the lanes that differ
+    (their top bit in ``high``) and every lane index is stored, the count advancing by the
+    lane's bit: no branch per changed lane. At a first AdamW step (~4.5% of bf16 words change)
+    a group of 16 lanes differs about half the time, and branching per lane mispredicted on
+    most of them: this store-always form is 2.9x faster there and 2x at 0.4% (SmolLM2 versions,
+    one core, AMD EPYC). (Reducing 2 KiB pieces to a mask first, as the hot-class scan does,
+    measured slower here: changes are too frequent.)
     """
     low = ~high
     lane_bits = 64 // per
+    top = lane_bits - 1
     k = 0
     m = o.shape[0]
+    lim = out.shape[0] - 4 * per
     i = 0
     while i + 4 <= m:
         if ((o[i] ^ n[i]) | (o[i + 1] ^ n[i + 1]) | (o[i + 2] ^ n[i + 2]) | (o[i + 3] ^ n[i + 3])) != _U0:
+            if k > lim:
+                return -1
             for a in range(i, i + 4):
                 y = o[a] ^ n[a]
-                k = _emit_lanes((((y & low) + low) | y) & high, a, per, lane_bits, out, k)
-                if k < 0:  # ``out`` is full
-                    return -1
+                msk = (((y & low) + low) | y) & high
+                base = a * per
+                if per == 4:  # 2-byte words (bf16, fp16), written out: 1.5x the loop below
+                    out[k] = base
+                    k += np.int64((msk >> np.uint64(15)) & _U1)
+                    out[k] = base + 1
+                    k += np.int64((msk >> np.uint64(31)) & _U1)
+                    out[k] = base + 2
+                    k += np.int64((msk >> np.uint64(47)) & _U1)
+                    out[k] = base + 3
+                    k += np.int64(msk >> np.uint64(63))
+                    continue
+                for j in range(per):
+                    out[k] = base + j
+                    k += np.int64((msk >> np.uint64(lane_bits * j + top)) & _U1)
         i += 4
     for a in range(i, m):
         y = o[a] ^ n[a]

@@ -82,6 +82,37 @@ def test_changed_positions_twins(restore_impl: None) -> None:
         assert np.array_equal(got["numba"], np.flatnonzero(old != new))
 
 
+@needs_numba
+def test_changed64_stores_every_changed_lane_or_reports_a_short_buffer() -> None:
+    """The SWAR change scan (store-always per lane) at every packed width and density, lengths
+    with a tail after the last 4-word group; a buffer without its ``4 * per`` slack is refused
+    (-1), never overrun."""
+    from infra.weightsync import numba_kernels
+
+    rng = np.random.default_rng(5)
+    for dt in (np.uint8, np.uint16, np.uint32):
+        w = np.dtype(dt).itemsize
+        per = 8 // w
+        high = kernels._HIGH[w]
+        for words64 in (1, 3, 4, 37, 1001):
+            n = words64 * per
+            for density in (0.0, 0.003, 0.045, 0.5, 1.0):
+                old = rng.integers(0, 1 << (8 * w), n, dtype=np.uint64).astype(dt)
+                new = old.copy()
+                hit = rng.random(n) < density
+                new[hit] ^= dt(1 << int(rng.integers(0, 8 * w)))
+                want = np.flatnonzero(old != new)
+                out = np.full(n + 8, -7, np.int64)
+                k = numba_kernels.changed64(old.view(np.uint64), new.view(np.uint64), per, high, out)
+                assert k == len(want) and np.array_equal(out[:k], want), (dt, n, density)
+                room = np.full(len(want) + 1 + 64, -7, np.int64)  # a view of the first part: the rest guards
+                k = numba_kernels.changed64(old.view(np.uint64), new.view(np.uint64), per, high,
+                                            room[: len(want) + 1])
+                assert k in (-1, len(want)) and (room[len(want) + 1 :] == -7).all()
+                if k >= 0:
+                    assert np.array_equal(room[:k], want)
+
+
 def test_set_implementation_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="known: numba, numpy"):
         kernels.set_implementation("cython")
