@@ -120,7 +120,7 @@ def sparse_parts(old: np.ndarray, new: np.ndarray, idx: np.ndarray,
     w = new.dtype.itemsize
     sh, km, mm = word_consts(w)
     idx = np.ascontiguousarray(idx, np.int64)
-    planes, base, zz, keys = nk.values(old, new, idx, w, sh, km, _full(w))
+    planes, zz, keys = nk.values(old, new, idx, w, sh, km, _full(w))
     t = nk.split_threshold(zz, keys)
     if t == 0:
         return planes, nk.positions_plain(idx)

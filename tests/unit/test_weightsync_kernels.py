@@ -113,6 +113,23 @@ def test_changed64_stores_every_changed_lane_or_reports_a_short_buffer() -> None
                     assert np.array_equal(room[:k], want)
 
 
+@needs_numba
+def test_rice_parameter_matches_the_reference_rule() -> None:
+    """The numba Rice parameter (gaps summed by telescoping, five candidates in one pass) is the
+    reference's (``bitpack._best``) for sparse, dense and huge gaps, one position, position 0."""
+    from infra.weightsync import bitpack, numba_kernels
+
+    rng = np.random.default_rng(9)
+    cases = [np.array([0]), np.array([5]), np.array([(1 << 50) + 3]), np.arange(1000), np.arange(0, 10**6, 7)]
+    for span, m in [(100, 50), (10**6, 45_000), (10**6, 300), (1 << 40, 20), (1 << 61, 5)]:
+        cases.append(np.unique(rng.integers(0, span, m)))
+    for pos in cases:
+        pos = pos.astype(np.int64)
+        gaps = np.diff(pos, prepend=-1) - 1
+        k, bits = bitpack._best(gaps)
+        assert numba_kernels._rice_k(pos) == (k, len(pos) + int((gaps >> k).sum())), pos[:5]
+
+
 def test_set_implementation_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="known: numba, numpy"):
         kernels.set_implementation("cython")
