@@ -79,7 +79,7 @@ from infra.weightsync.layout import (
 from infra.weightsync.pools import Pools, settle
 from infra.weightsync.rawbytes import dtype_from_name, tensor_bytes, word_dtype, word_width
 from infra.weightsync.reader_tensors import check_dtypes, check_have, chunk_ranges, fetched_tensors
-from infra.weightsync.schedule import DecodePipeline, Range, Step, plan_ranges
+from infra.weightsync.schedule import Arrived, DecodePipeline, Range, Step, plan_ranges
 from infra.weightsync.validate import default_max_bytes
 from infra.weightsync.warmup import warm_up
 
@@ -530,8 +530,10 @@ class VersionReader:
         finally:
             settle(checks)
 
-    def _download(self, r: Range, steps: list[Step]) -> bytes:
-        """The bytes of range ``r`` (from the manifest object for inline frames), checked for length."""
+    def _download(self, r: Range, arrived: Arrived, steps: list[Step]) -> bytes | memoryview:
+        """The bytes of range ``r`` (from the manifest object for inline frames), checked for
+        length; ``arrived(n, buf)`` hears of each part that came in before the last (see
+        :class:`~infra.weightsync.schedule.DecodePipeline`)."""
         v, _kind, man = steps[r.step]
         first = man.tensors[r.frames[0][0]].name
         if r.inline:  # frames that came with the manifest
@@ -540,14 +542,30 @@ class VersionReader:
                 raise CorruptData(f"manifest carries {len(man.tail)} bytes of frames, a frame ends at "
                                   f"{r.start + r.length}", version=v, tensor=first, key=manifest_key(self.prefix, v))
             return data
+        whole: bytes | None = None  # the range in one piece (a local store): kept as it is, no copy
+        mv: memoryview | None = None
+        got = 0
         try:
-            data = self.store.get_range(r.key, r.start, r.length)
+            for piece in self.store.iter_range(r.key, r.start, r.length):
+                n = len(piece)
+                if got + n > r.length:
+                    raise CorruptData(f"more than the {r.length} bytes asked for at {r.start}",
+                                      version=v, tensor=first, key=r.key)
+                if n == r.length:
+                    whole, got = piece, n
+                    continue
+                if mv is None:
+                    mv = memoryview(bytearray(r.length))
+                mv[got : got + n] = piece
+                got += n
+                if got < r.length:
+                    arrived(got, mv)
         except ObjectNotFound:
             raise MissingObject("missing", version=v, tensor=first, key=r.key) from None
-        if len(data) != r.length:
-            raise CorruptData(f"truncated: got {len(data)} of {r.length} bytes at {r.start}",
+        if got != r.length:
+            raise CorruptData(f"truncated: got {got} of {r.length} bytes at {r.start}",
                               version=v, tensor=first, key=r.key)
-        return data
+        return whole if whole is not None else mv  # type: ignore[return-value]
 
     def _frame_key(self, version: int, man: Manifest, loc: object) -> str | None:
         """The store object holding a frame at ``loc`` (``[shard, offset, length, digest]``) of

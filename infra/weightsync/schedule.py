@@ -6,7 +6,9 @@ A fetch replays steps (a keyframe, then deltas), each a set of frames in shard o
 the download pool with at most ``budget_bytes`` downloaded but not yet applied, and decodes a range
 on the decode pool as soon as it has arrived and every earlier step is applied (a chunk's frames
 must be applied in version order; frames of one step touch distinct chunks, so they decode in any
-order and in parallel).
+order and in parallel). A range's frames are handed to the decoders as its bytes arrive
+(``download`` reports progress through the callback it is given): a delta that takes a link
+~0.1 s to deliver is then mostly decoded by the time its last byte is in, instead of after.
 
 Why the loop is built the way it is: completions arrive on one queue (futures' done-callbacks), so
 it does O(1) work per finished download or decode; ``concurrent.futures.wait`` over every pending
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from queue import SimpleQueue
 from typing import Callable
 
@@ -31,6 +34,7 @@ from infra.weightsync.pools import settle
 
 Step = tuple[int, str, Manifest]  # (version, "k" keyframe frames | "d" delta frames, its manifest)
 Decode = Callable[[int, int, int, memoryview], None]  # (step, tensor, chunk, frame bytes)
+Arrived = Callable[[int, memoryview], None]  # (bytes of the range in so far, the buffer holding them)
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Range:
     length: int
     frames: list[tuple[int, int, int, int]] = field(default_factory=list)  # tensor, chunk, rel off, len
     inline: bool = False  # frames the manifest object carries (``TAIL_SHARD``): nothing to download
+    sent: int = 0  # frames handed to the decoders while the range was still downloading
 
 
 def plan_ranges(steps: list[Step], prefix: str, range_bytes: int) -> list[Range]:
@@ -76,12 +81,15 @@ def plan_ranges(steps: list[Step], prefix: str, range_bytes: int) -> list[Range]
 class DecodePipeline:
     """One fetch's downloads and decodes (see the module docstring); :meth:`run` drives it.
 
-    ``download(range)`` returns the range's bytes (called on the download pool ``io``, or on the
-    calling thread for inline ranges); ``decode(step, tensor, chunk, frame)`` applies one frame
-    (called on the decode pool ``cpu``). At most ``2 * io_threads`` downloads run at once; each
-    range is split into at most ``4 * threads`` decode tasks."""
+    ``download(range, arrived)`` returns the range's bytes (called on the download pool ``io``, or
+    on the calling thread for inline ranges); while it runs it may call ``arrived(n, buf)``, from
+    its thread, when the first ``n`` bytes of the range are in ``buf`` (which it must not change
+    afterwards): the frames they complete are decoded at once. ``decode(step, tensor, chunk,
+    frame)`` applies one frame (called on the decode pool ``cpu``). At most ``2 * io_threads``
+    downloads run at once; each range is split into at most ``4 * threads`` decode tasks."""
 
-    def __init__(self, ranges: list[Range], nsteps: int, download: Callable[[Range], bytes], decode: Decode,
+    def __init__(self, ranges: list[Range], nsteps: int, download: Callable[[Range, Arrived], bytes | memoryview],
+                 decode: Decode,
                  io: ThreadPoolExecutor, cpu: ThreadPoolExecutor, io_threads: int, threads: int,
                  budget_bytes: int) -> None:
         self.download, self.decode = download, decode
@@ -92,8 +100,10 @@ class DecodePipeline:
         for r in ranges:
             self.left_in_step[r.step] += len(r.frames)
         self.left_in_range: dict[int, int] = {id(r): len(r.frames) for r in ranges}
-        self.parked: dict[int, list[tuple[Range, bytes]]] = defaultdict(list)  # downloaded, step not current
-        self.events: SimpleQueue[tuple[str, Range, Future, int]] = SimpleQueue()  # (kind, range, future, frames)
+        # frames downloaded whose step is not current yet: (range, its bytes, first frame, end frame)
+        self.parked: dict[int, list[tuple[Range, bytes | memoryview, int, int]]] = defaultdict(list)
+        # (kind, range, future, frames decoded) for "get"/"dec"; ("part", range, None, (lo, hi, buf))
+        self.events: SimpleQueue[tuple[str, Range, Future | None, object]] = SimpleQueue()
         self.started: list[Future] = []
         self.downloading = self.outstanding = 0
         self.used = 0  # bytes downloaded (or downloading) and not yet applied
@@ -135,21 +145,36 @@ class DecodePipeline:
                 ready.append(r)
                 continue
             self.downloading += 1
-            self._track("get", r, self.io.submit(self.download, r))
+            self._track("get", r, self.io.submit(self.download, r, partial(self._progress, r)))
+
+    def _progress(self, r: Range, got: int, buf: memoryview) -> None:
+        """On ``r``'s download thread: the first ``got`` bytes are in; post the frames they complete."""
+        frames, lo = r.frames, r.sent
+        hi = lo
+        while hi < len(frames) and frames[hi][2] + frames[hi][3] <= got:
+            hi += 1
+        if hi > lo:
+            r.sent = hi
+            self.events.put(("part", r, None, (lo, hi, buf)))
 
     def _decode_inline(self, ready: list[Range]) -> None:
         """Hand the inline ranges to the decoders now, while the other ranges download."""
         for r in ready:
             try:
-                data = self.download(r)
+                data = self.download(r, _ignore_progress)
             except WeightSyncError as exc:
                 self.error = exc
                 break
-            self._arrived(r, data)
+            self._arrived(r, data, 0, len(r.frames))
         ready.clear()
 
-    def _completed(self, kind: str, r: Range, f: Future, nframes: int) -> None:
-        """One download or decode task finished: record it and move on."""
+    def _completed(self, kind: str, r: Range, f: Future | None, extra: object) -> None:
+        """A part of a range arrived, or one download or decode task finished: record it and move on."""
+        if kind == "part":  # the download goes on: nothing finished
+            lo, hi, buf = extra  # type: ignore[misc]
+            self._arrived(r, buf, lo, hi)
+            return
+        assert f is not None
         self.outstanding -= 1
         exc = f.exception()
         if kind == "get":
@@ -157,23 +182,27 @@ class DecodePipeline:
             if exc is not None:
                 self.error = exc
             else:
-                self._arrived(r, f.result())
+                self._arrived(r, f.result(), r.sent, len(r.frames))
             return
         if exc is not None:
             self.error = exc
             return
+        nframes = int(extra)  # type: ignore[call-overload]
         self.left_in_range[id(r)] -= nframes
         self.left_in_step[r.step] -= nframes
         if self.left_in_range[id(r)] == 0:
             self.used -= r.length
         self._advance()
 
-    def _arrived(self, r: Range, data: bytes) -> None:
-        """Decode a downloaded range now if its step is current, else park it until it is."""
+    def _arrived(self, r: Range, data: bytes | memoryview, lo: int, hi: int) -> None:
+        """Decode frames ``lo:hi`` of a range (their bytes in ``data``) now if its step is current,
+        else park them until it is."""
+        if lo >= hi:
+            return
         if r.step == self.current:
-            self._dispatch(r, data)
+            self._dispatch(r, data, lo, hi)
         else:
-            self.parked[r.step].append((r, data))
+            self.parked[r.step].append((r, data, lo, hi))
 
     def _track(self, kind: str, r: Range, fut: Future, frames: int = 0) -> None:
         """Count ``fut`` as outstanding; its completion comes back on the event queue."""
@@ -188,17 +217,22 @@ class DecodePipeline:
         for ti, ci, off, ln in group:
             decode(step, ti, ci, mv[off : off + ln])
 
-    def _dispatch(self, r: Range, data: bytes) -> None:
-        """Split a range's frames into a few decode tasks (not one per frame: see the module docstring)."""
+    def _dispatch(self, r: Range, data: bytes | memoryview, lo: int, hi: int) -> None:
+        """Split frames ``lo:hi`` of a range into decode tasks, at most ``4 * threads`` for the
+        whole range (not one per frame: see the module docstring)."""
         mv = memoryview(data)
         per = -(-len(r.frames) // (4 * self.threads))
-        for i in range(0, len(r.frames), per):
-            group = r.frames[i : i + per]
+        for i in range(lo, hi, per):
+            group = r.frames[i : min(i + per, hi)]
             self._track("dec", r, self.cpu.submit(self._decode_group, r.step, group, mv), len(group))
 
     def _advance(self) -> None:
         """Move to the next step once every frame of the current one is applied; start its parked ranges."""
         while self.current < len(self.left_in_step) and self.left_in_step[self.current] == 0:
             self.current += 1
-            for r, data in self.parked.pop(self.current, []):
-                self._dispatch(r, data)
+            for r, data, lo, hi in self.parked.pop(self.current, []):
+                self._dispatch(r, data, lo, hi)
+
+
+def _ignore_progress(got: int, buf: memoryview) -> None:
+    """The progress callback of an inline range: its bytes are all there already."""
