@@ -2,7 +2,7 @@
 
 Under a prefix ``P`` (e.g. ``runs/<run>/weights``)::
 
-    P/v00000007/d-0000.bin ...       delta frames (against version 6), in ~1 MiB shards (the last rides in the manifest)
+    P/v00000007/d-0000.bin ...       delta frames (against version 6), in ~4 MiB shards (the last rides in the manifest)
     P/v00000007/manifest.json.zst    written LAST: the version exists once this object does
     P/v00000007/s-0000.bin ...       snapshot frames (the full weights of version 7), ~32 MiB shards
     P/v00000007/snapshot.json.zst    written last by the snapshot: it exists once this object does

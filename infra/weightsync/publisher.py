@@ -30,12 +30,15 @@ workers with at most ``2 * threads`` tasks in flight (a task is one full-version
 ``DELTA_TASK_CHUNKS`` delta chunks, whose frames are small); frames are appended in chunk order to
 shards that upload on ``io_threads`` threads while encoding continues, with at most
 ``2 * io_threads`` shards queued. Delta frames go to shards of ``delta_shard_bytes`` (default
-1 MiB): a large delta uploads while the rest of the model is still being encoded rather than as one
+4 MiB): a large delta uploads while the rest of the model is still being encoded rather than as one
 object after the last chunk, and the last, partly filled delta shard is not uploaded on its own but
 carried by the manifest object, so one PUT follows the last chunk. At lr 1e-6 the whole delta
 (~0.75 MB, 15 ms of a 50 MB/s link) fits that one shard, so a reader gets a version in one GET and
-one round trip; 256 KiB shards cost it a second round trip (~55 ms more time-to-all-readers in a
-side-by-side run, ``docs/weightsync.md``). Peak extra memory over the base copy is about
+one round trip. Smaller shards mean more requests for a large delta, each costing both ends CPU;
+readers decode a shard's frames as its bytes arrive, so a larger shard does not hold their decode
+back (side by side with 4 readers across 40 ms / 50 MB/s links: 4 MiB took the slowest version,
+the first AdamW step's 5.7 MB delta, from 0.44-0.45 s to 0.40 s against 1 MiB, and 256 KiB cost a
+second round trip, ``docs/weightsync.md``). Peak extra memory over the base copy is about
 ``2*threads*chunk_bytes*3 + (2*io_threads+2)*shard_bytes`` for a full version (~350 MiB at
 defaults; a delta at lr 1e-6 is ~0.5% of the model), plus one model copy while a snapshot is in
 flight. A version becomes visible when its manifest is written, after every shard upload
@@ -91,7 +94,7 @@ log = logging.getLogger(__name__)
 
 DELTA_TASK_CHUNKS = 4  # chunks per encode task of a delta version
 DEFAULT_CHAIN_FRACTION = 1.0  # see the module docstring
-DEFAULT_DELTA_SHARD_BYTES = 1 << 20  # see the module docstring (streaming)
+DEFAULT_DELTA_SHARD_BYTES = 4 << 20  # see the module docstring (streaming)
 
 
 @dataclass

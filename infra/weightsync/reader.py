@@ -94,6 +94,12 @@ log = logging.getLogger(__name__)
 _PREFETCH = ThreadPoolExecutor(2, "ws-manifest")  # shared by readers: early manifest reads
 
 
+#: The reader's manifest cache keeps at most this many versions and this many bytes of the delta
+#: frames their manifest objects carry.
+MANIFEST_CACHE_VERSIONS = 64
+MANIFEST_CACHE_BYTES = 64 << 20
+
+
 class VersionReader:
     """Reads committed versions under ``prefix`` (any number of readers, concurrently with a writer)."""
 
@@ -158,9 +164,11 @@ class VersionReader:
                 raise VersionNotFound("not committed (no manifest) or collected", version=version) from None
             except WeightSyncError as exc:
                 raise exc.at(key) from None
-            if len(self._manifests) > 64:  # (each carries its last delta frames, <= delta_shard_bytes: <= 64 MiB at defaults)
-                self._manifests.pop(next(iter(self._manifests)))
             self._manifests[version] = man
+            cache = self._manifests  # the oldest go first; each carries its last delta frames (< a delta shard)
+            while len(cache) > 1 and (len(cache) > MANIFEST_CACHE_VERSIONS
+                                      or sum(len(m.tail) for m in cache.values()) > MANIFEST_CACHE_BYTES):
+                cache.pop(next(iter(cache)))
         return man
 
     def snapshot(self, version: int) -> Manifest:

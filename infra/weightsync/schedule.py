@@ -86,7 +86,8 @@ class DecodePipeline:
     its thread, when the first ``n`` bytes of the range are in ``buf`` (which it must not change
     afterwards): the frames they complete are decoded at once. ``decode(step, tensor, chunk,
     frame)`` applies one frame (called on the decode pool ``cpu``). At most ``2 * io_threads``
-    downloads run at once; each range is split into at most ``4 * threads`` decode tasks."""
+    downloads run at once; a range's frames go to the decoders in tasks of up to 1/(4 * ``threads``)
+    of them."""
 
     def __init__(self, ranges: list[Range], nsteps: int, download: Callable[[Range, Arrived], bytes | memoryview],
                  decode: Decode,
@@ -218,8 +219,8 @@ class DecodePipeline:
             decode(step, ti, ci, mv[off : off + ln])
 
     def _dispatch(self, r: Range, data: bytes | memoryview, lo: int, hi: int) -> None:
-        """Split frames ``lo:hi`` of a range into decode tasks, at most ``4 * threads`` for the
-        whole range (not one per frame: see the module docstring)."""
+        """Split frames ``lo:hi`` of a range into decode tasks of up to 1/(4 * ``threads``) of the
+        range's frames each (not one per frame: see the module docstring)."""
         mv = memoryview(data)
         per = -(-len(r.frames) // (4 * self.threads))
         for i in range(lo, hi, per):

@@ -265,3 +265,28 @@ def test_one_behind_fast_path_failure_falls_back_to_keyframe(tmp_path: Path) -> 
     with pytest.raises(Exception, match="version"):
         VersionReader(store, PREFIX, strict=True).fetch(have={k: t.clone() for k, t in hist[0].items()},
                                                          have_version=2)
+
+
+def test_manifest_cache_is_bounded_by_the_frames_it_carries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each cached manifest carries its version's last delta frames; the cache drops the oldest
+    versions once those add up to MANIFEST_CACHE_BYTES (and keeps at least the newest)."""
+    from infra.weightsync import reader as reader_module
+
+    store = FileStore(tmp_path / "s")
+    d = Drift(scale=4)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=16 << 10,
+                           delta_shard_bytes=64 << 10)
+    for _ in range(6):
+        pub.publish(d.bf16())
+        d.step(lr=2e-4)
+    rd = VersionReader(store, PREFIX)
+    tails = [len(rd.manifest(v).tail) for v in range(2, 7)]
+    assert min(tails) > 1000
+    monkeypatch.setattr(reader_module, "MANIFEST_CACHE_BYTES", 2 * max(tails))
+    rd = VersionReader(store, PREFIX)
+    have, hv = rd.fetch(1)
+    for v in range(2, 7):
+        have, hv = rd.fetch(v, have, hv, inplace=True)
+        cached = rd._manifests
+        assert v in cached and sum(len(m.tail) for m in cached.values()) <= 2 * max(tails)
+    assert len(rd._manifests) < 6
