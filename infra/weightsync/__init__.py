@@ -30,6 +30,7 @@ The package, in reading order (each module's docstring says what it does and why
 ``reader.py``            :class:`VersionReader`: pick a replay path, check and verify every chunk,
                          fall back to older snapshots on a fault
 ``reader_tensors.py``    the reader's tensor checks (dtypes, the caller's base) and its outputs
+``recovery.py``          which replay paths are still worth trying after a fault
 ``schedule.py``          the reader's pipeline: byte ranges downloaded and decoded in version order
 ``errors.py``            :class:`WeightSyncError` and its subclasses (each names version and tensor)
 ``layout.py``            object names, the manifest format, chunk bounds, version listing

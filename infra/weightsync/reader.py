@@ -62,9 +62,6 @@ from infra.weightsync.errors import (
     WrongBase,
 )
 from infra.weightsync.layout import (
-    MANIFEST,
-    SNAPSHOT,
-    SNAPSHOT_TAG,
     TAIL_SHARD,
     Listing,
     Manifest,
@@ -79,6 +76,7 @@ from infra.weightsync.layout import (
 from infra.weightsync.pools import Pools, settle
 from infra.weightsync.rawbytes import dtype_from_name, tensor_bytes, word_dtype, word_width
 from infra.weightsync.reader_tensors import check_dtypes, check_have, chunk_ranges, fetched_tensors
+from infra.weightsync.recovery import bad_parts, viable
 from infra.weightsync.schedule import Arrived, DecodePipeline, Range, Step, plan_ranges
 from infra.weightsync.validate import default_max_bytes
 from infra.weightsync.warmup import warm_up
@@ -283,11 +281,11 @@ class VersionReader:
         The newest committed version (or ``target``) is tried on every path (the caller's tensors,
         then up to ``max_fallbacks`` keyframes). Only with ``allow_older`` and no ``target`` are
         older versions tried next, newest first, up to ``max_fallbacks`` of them; a path through an
-        object already seen to fail (:func:`_bad_parts`) is skipped, so one corrupt object costs one
-        failed attempt, not one per older version."""
+        object already seen to fail (:mod:`infra.weightsync.recovery`) is skipped, so one corrupt
+        object costs one failed attempt, not one per older version."""
         t0 = time.perf_counter()
         self.last_errors = []
-        bad: dict[int, set[str]] = {}  # version -> frames seen to fail ("k", "d"): see _bad_parts
+        bad: dict[int, set[str]] = {}  # version -> frames seen to fail ("k", "d"): see recovery.bad_parts
         have_ok = have is not None and have_version is not None
         if one_behind_path and have_ok and (target is None or int(target) == have_version + 1):
             done, have_ok = self._fetch_next(target, have, have_version, inplace, allow_older, bad, t0)  # type: ignore[arg-type]
@@ -312,7 +310,7 @@ class VersionReader:
                 break
             plans: list[int | None] = [None] if have_ok and have_version is not None and have_version <= goal_v else []
             plans += [k for k in keys if k <= goal_v][: self.max_fallbacks]
-            plans = [k for k in plans if _viable(bad, goal_v, have_version if k is None else k, k is not None)]
+            plans = [k for k in plans if viable(bad, goal_v, have_version if k is None else k, k is not None)]
             tried_older += bool(plans) and goal_v != goal
             for key in plans:
                 try:
@@ -324,7 +322,7 @@ class VersionReader:
                     log.warning("weight fetch path %s -> %d failed: %s", "have" if key is None else
                                 f"start {key}", goal_v, exc)
                     self.last_errors.append(exc)
-                    _bad_parts(bad, exc)
+                    bad_parts(bad, exc)
                     self._forget(goal_v, exc.version)
                     if key is None and (inplace or isinstance(exc, WrongBase)):
                         have_ok = False  # patched (or not the version claimed): not a base any more
@@ -376,7 +374,7 @@ class VersionReader:
                 raise
             log.warning("weight fetch path have -> %d failed: %s", goal1, exc)
             self.last_errors.append(exc)
-            _bad_parts(bad, exc)
+            bad_parts(bad, exc)
             self._forget(goal1, exc.version)
             return None, not inplace and not isinstance(exc, WrongBase)
         if self._newer_committed(probe):
@@ -582,36 +580,4 @@ class VersionReader:
             return None
         shard = man.shards[int(loc[0])]
         return manifest_key(self.prefix, version) if shard == TAIL_SHARD else f"{version_dir(self.prefix, version)}/{shard}"
-
-
-def _bad_parts(bad: dict[int, set[str]], exc: WeightSyncError) -> None:
-    """Record in ``bad`` which frames of the version ``exc`` names cannot be used: ``"k"`` (its
-    keyframe frames: a full version's shards, or its snapshot's shards or manifest), ``"d"`` (its
-    delta shards and the delta frames its manifest carries), or both (its manifest does not
-    parse). Faults of the caller's tensors (:class:`WrongBase`) and faults that name no object
-    record nothing. Objects are immutable, so a path through a recorded part
-    fails again: :func:`_viable` skips it."""
-    if exc.version is None or exc.key is None or isinstance(exc, WrongBase):
-        return
-    name = exc.key.rsplit("/", 1)[-1]
-    if name == SNAPSHOT or name.startswith(SNAPSHOT_TAG + "-"):  # the snapshot, not the version
-        parts = {"k"}
-    elif isinstance(exc, ManifestError):
-        parts = {"k", "d"}
-    elif name.startswith("k-"):
-        parts = {"k"}
-    elif name.startswith("d-") or name == MANIFEST:
-        parts = {"d"}
-    else:  # a side file: not on any replay path
-        return
-    bad.setdefault(exc.version, set()).update(parts)
-
-
-def _viable(bad: dict[int, set[str]], goal: int, start: int | None, keyframe: bool) -> bool:
-    """Whether a replay to ``goal`` from ``start`` (its keyframe frames when ``keyframe``, else the
-    caller's tensors at ``start``), then the delta frames of ``start+1..goal``, avoids every part
-    recorded in ``bad``."""
-    if start is None or (keyframe and "k" in bad.get(start, ())):
-        return False
-    return not any("d" in bad.get(v, ()) for v in range(start + 1, goal + 1))
 
