@@ -11,7 +11,6 @@ retries gave up within ~2 s and the stage failed with a ``StorageError``.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -20,48 +19,7 @@ import pytest
 
 from infra.proc import free_port
 from infra.storage import StorageError, open_store
-
-
-class Forwarder:
-    """Forward 127.0.0.1:``port`` to ``target`` until :meth:`close` drops every connection."""
-
-    def __init__(self, port: int, target: tuple[str, int]) -> None:
-        self.target, self.socks = target, []
-        self.srv = socket.create_server(("127.0.0.1", port), reuse_port=False)
-        self.socks.append(self.srv)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.srv.accept()
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                return
-            self.socks += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        for s in self.socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+from tests.tcp_forwarder import Forwarder
 
 
 def test_put_during_an_outage_waits_for_the_endpoint(s3_endpoint: str, tmp_path: Path) -> None:
@@ -70,7 +28,7 @@ def test_put_during_an_outage_waits_for_the_endpoint(s3_endpoint: str, tmp_path:
     host, port = s3_endpoint.removeprefix("http://").split(":")
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket="outage")
     front = free_port()
-    fwd = [Forwarder(front, (host, int(port)))]
+    fwd = [Forwarder((host, int(port)), front)]
     store = open_store("s3://outage/p", endpoint_url=f"http://127.0.0.1:{front}")
     try:
         store.put("warm/a.json", b"{}")
@@ -78,7 +36,7 @@ def test_put_during_an_outage_waits_for_the_endpoint(s3_endpoint: str, tmp_path:
 
         def come_back() -> None:
             time.sleep(3.0)
-            fwd.append(Forwarder(front, (host, int(port))))
+            fwd.append(Forwarder((host, int(port)), front))
 
         thread = threading.Thread(target=come_back)
         thread.start()

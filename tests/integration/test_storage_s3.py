@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
-import threading
 from urllib.parse import urlparse
 
 import pytest
 
 from infra.storage import RANGE_PIECE_BYTES, ObjectNotFound, S3Store, open_store
+from tests.tcp_forwarder import Forwarder
 
 
 def test_s3_roundtrip(s3_endpoint: str, s3_bucket: str) -> None:
@@ -40,66 +39,20 @@ def test_s3_missing_bucket_is_clear(s3_endpoint: str) -> None:
         store.put("k", b"v")
 
 
-class CuttingProxy:
-    """A loopback TCP proxy in front of the S3 server that drops the first ``cuts`` responses it
-    forwards once ``cut_after`` bytes of them have passed: a connection lost mid-body."""
-
-    def __init__(self, endpoint: str, cut_after: int, cuts: int = 1) -> None:
-        u = urlparse(endpoint)
-        self.target = (u.hostname, u.port)
-        self.cut_after, self.cuts_left, self.cuts, self.connections = cut_after, cuts, 0, 0
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.srv.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.srv.accept()
-            except OSError:
-                return
-            self.connections += 1
-            upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, response: bool) -> None:
-        passed = 0
-        try:
-            while data := src.recv(65536):
-                if response and self.cuts_left > 0 and passed + len(data) > self.cut_after:
-                    self.cuts_left -= 1
-                    self.cuts += 1
-                    dst.sendall(data[: self.cut_after - passed])
-                    break
-                dst.sendall(data)
-                passed += len(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        self.srv.close()
-
-
 def test_iter_range_streams_pieces_and_resumes_a_dropped_body(s3_endpoint: str, s3_bucket: str) -> None:
     """Pieces come as they arrive; a connection cut mid-body is resumed from the next byte (a new
     ranged GET), so the pieces add up to the range exactly once."""
     blob = os.urandom(3 << 20)
     S3Store(s3_bucket, endpoint_url=s3_endpoint).put("blob.bin", blob)
-    proxy = CuttingProxy(s3_endpoint, cut_after=(1 << 20) + 12345)
+    u = urlparse(s3_endpoint)
+    proxy = Forwarder((str(u.hostname), int(u.port or 80)), cut_after=(1 << 20) + 12345, cuts=1)
     try:
         store = S3Store(s3_bucket, endpoint_url=proxy.url, outage_s=20)
         pieces = list(store.iter_range("blob.bin", 100, len(blob) - 200))
     finally:
         proxy.close()
     assert b"".join(pieces) == blob[100:-100]
-    assert proxy.cuts == 1 and proxy.connections >= 2
+    assert proxy.cut == 1 and proxy.connections >= 2
     assert len(pieces) >= (len(blob) - 200) // RANGE_PIECE_BYTES and max(map(len, pieces)) <= RANGE_PIECE_BYTES
     with pytest.raises(ObjectNotFound):
         list(S3Store(s3_bucket, endpoint_url=s3_endpoint).iter_range("none.bin", 0, 10))
