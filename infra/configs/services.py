@@ -4,7 +4,7 @@ loop mode, evaluation and promotion.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -99,6 +99,21 @@ class WeightSyncConfig(Strict):
     keep_versions: int = Field(
         0, ge=0, le=1_000_000, description="Garbage-collect versions older than this many (0 = keep all)."
     )
+    delta_shard_kib: int | None = Field(
+        None, ge=64, le=65536,
+        description="Size of the objects delta frames are packed into, KiB (None: the publisher's default, "
+        "4096). A delta under one shard rides in the manifest object: one GET, which suits links with long "
+        "round trips; smaller shards upload while encoding continues and decode as they arrive, which "
+        "suits short round trips (docs/weightsync.md, Measured).",
+    )
+
+    def publisher_kwargs(self) -> dict[str, Any]:
+        """The :class:`infra.weightsync.VersionPublisher` arguments this section sets."""
+        out: dict[str, Any] = {"snapshot_chain_fraction": self.snapshot_chain_fraction, "codec": self.codec,
+                               "zstd_level": self.zstd_level, "threads": self.threads}
+        if self.delta_shard_kib is not None:
+            out["delta_shard_bytes"] = self.delta_shard_kib << 10
+        return out
 
 
 # ------------------------------------------------------------------------------------- storage

@@ -204,10 +204,8 @@ class Trainer(BroadcastOps, ColocatedOps):
 
         if self.publisher is None:
             ws = self.cfg.weight_sync
-            self.publisher = VersionPublisher(
-                self.store, run_key(self.run_id, None, "weights"), snapshot_chain_fraction=ws.snapshot_chain_fraction,
-                codec=ws.codec, zstd_level=ws.zstd_level, threads=ws.threads,
-            )
+            self.publisher = VersionPublisher(self.store, run_key(self.run_id, None, "weights"),
+                                              **ws.publisher_kwargs())
         return self.publisher
 
     def op_publish(self) -> dict[str, Any]:

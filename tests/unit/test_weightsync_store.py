@@ -290,3 +290,33 @@ def test_manifest_cache_is_bounded_by_the_frames_it_carries(tmp_path: Path, monk
         cached = rd._manifests
         assert v in cached and sum(len(m.tail) for m in cached.values()) <= 2 * max(tails)
     assert len(rd._manifests) < 6
+
+
+def test_weight_sync_config_sets_the_delta_shard_size(tmp_path: Path) -> None:
+    """``weight_sync.delta_shard_kib`` reaches the publisher: at 64 KiB a large delta goes up in
+    shard objects of about that size, at the default (4 MiB) it rides in the manifest object;
+    the reader gets the same bits either way. Out-of-range sizes are refused."""
+    from pydantic import ValidationError
+
+    from infra.configs.services import WeightSyncConfig
+
+    for bad in (0, 63, 65537):
+        with pytest.raises(ValidationError, match="delta_shard_kib"):
+            WeightSyncConfig(delta_shard_kib=bad)
+    shards: dict[int | None, list[int]] = {}
+    for kib in (64, None):
+        store = FileStore(tmp_path / f"s{kib}")
+        cfg = WeightSyncConfig(delta_shard_kib=kib, snapshot_chain_fraction=100)
+        pub = VersionPublisher(store, PREFIX, chunk_bytes=16 << 10, **cfg.publisher_kwargs())
+        d = Drift(scale=16)
+        pub.publish(d.bf16())
+        d.step(lr=2e-4)
+        want = d.bf16()
+        pub.publish(want)
+        keys = [k for k in store.list(f"{PREFIX}/v00000002/") if k.rsplit("/", 1)[-1].startswith("d-")]
+        shards[kib] = [store.size(k) for k in keys]
+        got, v = VersionReader(store, PREFIX).fetch()
+        assert v == 2 and same(got, want)
+    # a shard closes at the first frame that takes it to the size: under it plus one 16 KiB chunk's frame
+    assert len(shards[64]) >= 2 and min(shards[64]) >= 64 << 10 and max(shards[64]) < (64 + 17) << 10
+    assert shards[None] == []
