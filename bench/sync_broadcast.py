@@ -109,7 +109,8 @@ def measure(name: str, versions: int) -> dict[str, Any]:
         model, _tok = load_policy(cfg.model, seed=cfg.seed)
         model = model.float()
         trainer = BenchTrainer(cfg, model)
-        publisher = VersionPublisher(store, run_key("objstore", None, "weights"), threads=cfg.weight_sync.threads)
+        publisher = VersionPublisher(store, run_key("objstore", None, "weights"),
+                                     **os_cfg.weight_sync.publisher_kwargs())
         try:
             bc.launch()
             obj.launch()

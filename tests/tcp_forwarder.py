@@ -48,7 +48,7 @@ class Forwarder:
         passed = 0
         try:
             while data := src.recv(65536):
-                if response and passed + len(data) > self.cut_after and self.cuts_left > 0 and self._take_cut():
+                if response and passed + len(data) > self.cut_after and self._take_cut():
                     dst.sendall(data[: self.cut_after - passed])
                     break
                 dst.sendall(data)
