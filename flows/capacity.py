@@ -13,8 +13,10 @@ default). A failed renewal only warns: a long training run is not killed for a s
 
 Priority: eval-gate runs go before training. A gate that has to wait holds a slot of
 ``eval-gates-waiting`` (a leased counter, visible on the Concurrency page) until it gets its
-capacity; a training run does not try to take slots while that counter is above zero. A gate never
-preempts a running training run; it is next.
+capacity; a training run does not try to take slots while that counter is above zero, and gives
+back at once slots it took while a gate began to wait (the check and the take are two requests, so
+a gate that arrives between them still goes first). A gate never preempts a running training run;
+it is next.
 
 Waiting is visible: the acquisition is a task run named after what it waits for
 (``waiting for capacity: trainer-slots 1/1 in use``), the flow run carries the tag
@@ -106,8 +108,13 @@ def acquire_capacity(kind: str, names: list[str], poll: float = POLL_SECONDS) ->
         waited, last = False, float("-inf")
         try:
             while True:
-                gates = 0 if kind == "gate" else _usage(client, [GATES_WAITING])[GATES_WAITING][0]
+                gates = 0 if kind == "gate" else _gates_waiting(client)
                 lease = None if gates else _take(client, names, _holder())
+                if lease is not None and kind != "gate" and _gates_waiting(client):
+                    # A gate began waiting between the check and the take: the check and the take
+                    # are two requests, so the take is undone and the gate goes first.
+                    client.release_concurrency_slots_with_lease(lease)
+                    lease, gates = None, _gates_waiting(client)
                 if lease is not None:
                     _say(f"capacity acquired: {', '.join(names)}")
                     return lease
@@ -176,6 +183,11 @@ def _usage(client: Any, names: list[str]) -> dict[str, tuple[int, int]]:
         limit = client.read_global_concurrency_limit_by_name(name)
         out[name] = (limit.active_slots, limit.limit)
     return out
+
+
+def _gates_waiting(client: Any) -> int:
+    """How many eval-gate runs wait for capacity now (slots of ``GATES_WAITING`` in use)."""
+    return _usage(client, [GATES_WAITING])[GATES_WAITING][0]
 
 
 def _describe(usage: dict[str, tuple[int, int]]) -> str:

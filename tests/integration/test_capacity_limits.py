@@ -105,6 +105,39 @@ def test_waiting_gate_goes_before_waiting_training(harness: None) -> None:
     assert _limit(TRAINER_SLOTS).active_slots == 0 and _limit(ROLLOUT_SLOTS).active_slots == 0
 
 
+def test_gate_arriving_between_check_and_take_still_goes_first(harness: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training run checks for waiting gates and then takes its slots, in two requests: a gate
+    that begins to wait between them (forced here: its marker is taken just before the training
+    run's take) still goes first; the training run gives its slots back and starts after the gate."""
+    import flows.capacity as capacity
+    from prefect.client.orchestration import get_client
+
+    _set(capacity.TRAINER_SLOTS, 1)
+    _set(capacity.ROLLOUT_SLOTS, 1)
+    real_take = capacity._take
+    markers: list[Any] = []
+
+    def take_after_a_gate_arrives(client: Any, names: list[str], holder: Any) -> Any:
+        if names != [capacity.GATES_WAITING] and not markers:
+            markers.append(real_take(client, [capacity.GATES_WAITING], None))
+        return real_take(client, names, holder)
+
+    monkeypatch.setattr(capacity, "_take", take_after_a_gate_arrives)
+    events: list[tuple[str, str]] = []
+    train, go_train = _start("train", "train", events)
+    _until(lambda: bool(markers))
+    time.sleep(1.0)  # several polls with the gate waiting
+    assert events == []
+    assert _limit(capacity.TRAINER_SLOTS).active_slots == 0 and _limit(capacity.ROLLOUT_SLOTS).active_slots == 0
+    with get_client(sync_client=True) as c:
+        c.release_concurrency_slots_with_lease(markers[0])  # the gate got its capacity and ran
+    _until(lambda: ("start", "train") in events)
+    go_train.set()
+    train.join(60)
+    assert events == [("start", "train"), ("end", "train")]
+    assert _limit(capacity.TRAINER_SLOTS).active_slots == 0 and _limit(capacity.ROLLOUT_SLOTS).active_slots == 0
+
+
 def test_missing_limit_is_created_with_one_slot_and_released_on_error(harness: None) -> None:
     from prefect.client.orchestration import get_client
 
