@@ -32,6 +32,7 @@ The package, in reading order (each module's docstring says what it does and why
 ``reader_tensors.py``    the reader's tensor checks (dtypes, the caller's base) and its outputs
 ``recovery.py``          which replay paths are still worth trying after a fault
 ``schedule.py``          the reader's pipeline: byte ranges downloaded and decoded in version order
+``tailstream.py``        a manifest read as it arrives: the delta frames it carries decode as they come
 ``errors.py``            :class:`WeightSyncError` and its subclasses (each names version and tensor)
 ``layout.py``            object names, the manifest format, chunk bounds, version listing
 ``validate.py``          the checks of every name, size, count and offset a manifest gives

@@ -109,6 +109,32 @@ def tensor_digest(name: str, dtype: str, shape: list[int], chunk_digests: list[s
     return xxhash.xxh3_128_hexdigest((head + "".join(chunk_digests)).encode())
 
 
+def tail_start(head: bytes | bytearray, version: int) -> int | None:
+    """Where the carried frames start in a manifest object that begins with ``head`` (which starts
+    with ``DLM2``), or None while ``head`` is too short to say; raises :class:`ManifestError` for a
+    JSON length no manifest object can have."""
+    if len(head) < 4 + _TAIL_LEN.size:
+        return None
+    end = 4 + _TAIL_LEN.size + _TAIL_LEN.unpack_from(head, 4)[0]
+    if end > MAX_MANIFEST_OBJECT:
+        raise ManifestError(f"manifest object larger than {MAX_MANIFEST_OBJECT} bytes", version=version)
+    return end
+
+
+def _declared_tail(doc: Any, version: int) -> int:
+    """The size the manifest JSON ``doc`` gives its carried frames (0 when it names none; a value
+    of the wrong type is left to :func:`~infra.weightsync.validate.check_document` to name)."""
+    try:
+        n = doc["shard_sizes"][doc["shards"].index(TAIL_SHARD)]
+    except (TypeError, KeyError, ValueError, IndexError, AttributeError):
+        return 0
+    if type(n) is not int:
+        return 0
+    if not 0 <= n <= MAX_MANIFEST_OBJECT:
+        raise ManifestError(f"manifest carries {n} bytes of frames, more than an object may hold", version=version)
+    return n
+
+
 def read_manifest_object(store: "ObjectStore", prefix: str, version: int, snapshot: bool = False) -> bytes:
     """The manifest object of ``version`` (its snapshot's with ``snapshot``), read only up to
     :data:`MAX_MANIFEST_OBJECT` bytes (a larger one is a :class:`ManifestError`, not read whole).
@@ -204,7 +230,8 @@ class Manifest:
     tensors: list[TensorEntry]
     files: dict[str, str] = field(default_factory=dict)  # side file name -> digest
     meta: dict[str, Any] = field(default_factory=dict)
-    tail: bytes = b""  # frames of the ``TAIL_SHARD`` shard, stored after the JSON in the same object
+    tail: Any = b""  # frames of the ``TAIL_SHARD`` shard, after the JSON in the same object (bytes; a
+    # reader's :class:`~infra.weightsync.tailstream.StreamedTail` while they still arrive)
     shard_sizes: list[int] = field(default_factory=list)  # bytes of each shard, in ``shards`` order
     snapshot: bool = False  # a snapshot's manifest (``snapshot.json.zst``), not a version's
 
@@ -250,11 +277,18 @@ class Manifest:
             raise ManifestError(f"manifest object larger than {MAX_MANIFEST_OBJECT} bytes", version=version)
         tail = b""
         if data[:4] == _TAIL_MAGIC:
-            head = 4 + _TAIL_LEN.size
-            end = head + _TAIL_LEN.unpack_from(data, 4)[0] if len(data) >= head else -1
-            if end < 0 or end > len(data):
+            end = tail_start(data, version)
+            if end is None or end > len(data):
                 raise ManifestError("manifest object truncated", version=version)
-            data, tail = data[head:end], data[end:]
+            data, tail = data[4 + _TAIL_LEN.size : end], data[end:]
+        return cls.from_packed(data, tail, len(tail), version, max_bytes, snapshot)
+
+    @classmethod
+    def from_packed(cls, data: bytes, tail: Any, tail_bytes: int | None, version: int,
+                    max_bytes: int | None = None, snapshot: bool = False) -> "Manifest":
+        """:meth:`from_bytes` of an object split in its zstd JSON ``data`` and its carried frames
+        ``tail`` (``tail_bytes`` of them; None: as many as the JSON declares, for frames still on
+        their way: :mod:`infra.weightsync.tailstream`)."""
         try:
             if zstandard.frame_content_size(data) > MAX_MANIFEST_JSON:  # (zstd would allocate it all)
                 raise ValueError(f"its JSON is over {MAX_MANIFEST_JSON} bytes")
@@ -265,7 +299,9 @@ class Manifest:
         if type(doc) is dict and doc.get("format") != FORMAT:
             raise ManifestError(f"unknown manifest format {str(doc.get('format'))[:60]!r} (this reader reads "
                                 f"{FORMAT!r})", version=version)
-        check_document(doc, version, len(tail), default_max_bytes() if max_bytes is None else max_bytes, snapshot)
+        if tail_bytes is None:
+            tail_bytes = _declared_tail(doc, version)
+        check_document(doc, version, tail_bytes, default_max_bytes() if max_bytes is None else max_bytes, snapshot)
         tensors = []
         for ti, t in enumerate(doc["tensors"]):
             entry = TensorEntry(t["name"], t["dtype"], t["shape"], t["nbytes"], t["h"],

@@ -35,8 +35,8 @@ object after the last chunk, and the last, partly filled delta shard is not uplo
 carried by the manifest object, so one PUT follows the last chunk. At lr 1e-6 the whole delta
 (~0.75 MB, 15 ms of a 50 MB/s link) fits that one shard, so a reader gets a version in one GET and
 one round trip. Smaller shards mean more requests for a large delta, each costing both ends CPU;
-readers decode a shard's frames as its bytes arrive, so a larger shard does not hold their decode
-back (side by side with 4 readers across 40 ms / 50 MB/s links: 4 MiB took the slowest version,
+readers decode a shard's frames, and those the manifest carries, as their bytes arrive, so a
+larger shard does not hold their decode back (side by side with 4 readers across 40 ms / 50 MB/s links: 4 MiB took the slowest version,
 the first AdamW step's 5.7 MB delta, from 0.44-0.45 s to 0.40 s against 1 MiB, and 256 KiB cost a
 second round trip, ``docs/weightsync.md``). Peak extra memory over the base copy is about
 ``2*threads*chunk_bytes*3 + (2*io_threads+2)*shard_bytes`` for a full version (~350 MiB at

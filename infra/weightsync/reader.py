@@ -78,6 +78,7 @@ from infra.weightsync.rawbytes import dtype_from_name, tensor_bytes, word_dtype,
 from infra.weightsync.reader_tensors import check_dtypes, check_have, chunk_ranges, fetched_tensors
 from infra.weightsync.recovery import bad_parts, viable
 from infra.weightsync.schedule import Arrived, DecodePipeline, Range, Step, plan_ranges
+from infra.weightsync.tailstream import StreamedTail, open_manifest
 from infra.weightsync.validate import default_max_bytes
 from infra.weightsync.warmup import warm_up
 
@@ -153,11 +154,11 @@ class VersionReader:
         """The manifest of a committed version (cached; a version a fetch failed on is dropped from the
         cache, since it may be republished)."""
         man = self._manifests.get(version)
-        if man is None:
+        if man is None or (isinstance(man.tail, StreamedTail) and man.tail.failed):
             key = manifest_key(self.prefix, version)
-            try:
-                data = read_manifest_object(self.store, self.prefix, version)
-                man = Manifest.from_bytes(data, version, self.max_bytes)
+            try:  # returned once its JSON is in; carried frames may still be arriving
+                man = open_manifest(self.store, self.prefix, version, self.max_bytes,
+                                    self._pools.get("tail", self.io_threads))
             except ObjectNotFound:
                 raise VersionNotFound("not committed (no manifest) or collected", version=version) from None
             except WeightSyncError as exc:
@@ -484,13 +485,17 @@ class VersionReader:
         """:func:`plan_ranges` of ``steps``; its fault (a keyframe manifest without a chunk's
         keyframe frame) names the manifest object (the snapshot's, when the replay starts from one)."""
         try:
-            return plan_ranges(steps, self.prefix, self.range_bytes)
+            ranges = plan_ranges(steps, self.prefix, self.range_bytes)
         except WeightSyncError as exc:
             if exc.version is None:
                 raise
             snap = from_snapshot and exc.version == steps[0][0]
             raise exc.at(snapshot_key(self.prefix, exc.version) if snap else
                          manifest_key(self.prefix, exc.version)) from None
+        for r in ranges:  # carried frames still arriving are waited for on a download thread
+            tail = steps[r.step][2].tail
+            r.inline = r.carried and not (isinstance(tail, StreamedTail) and not tail.complete)
+        return ranges
 
     def _check_chain_layout(self, start: Manifest, deltas: list[int]) -> None:
         """Every delta version has the tensors and chunk size of the version replayed from, and a
@@ -542,7 +547,9 @@ class VersionReader:
         :class:`~infra.weightsync.schedule.DecodePipeline`)."""
         v, _kind, man = steps[r.step]
         first = man.tensors[r.frames[0][0]].name
-        if r.inline:  # frames that came with the manifest
+        if r.carried and isinstance(man.tail, StreamedTail):  # frames arriving with the manifest
+            return man.tail.wait(r.start, r.length, arrived)
+        if r.carried:  # frames that came with the manifest
             data = man.tail[r.start : r.start + r.length]
             if len(data) != r.length:
                 raise CorruptData(f"manifest carries {len(man.tail)} bytes of frames, a frame ends at "

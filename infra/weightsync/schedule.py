@@ -15,8 +15,10 @@ it does O(1) work per finished download or decode; ``concurrent.futures.wait`` o
 future costs O(pending) per wake-up with the GIL held, which at ~220 frames a fetch is ~50 ms of
 the scheduler's own Python that the decode threads wait on. A range is decoded in a few tasks, not
 one per frame (each task and completion costs the GIL-holding loop ~30 us; a delta range holds ~80
-small frames). Frames that came with the manifest (``inline`` ranges) are decoded without a trip
-through a download thread: on a busy machine every hand-off between threads waits for the GIL.
+small frames). Frames that came with the manifest and are all in (``inline`` ranges) are decoded
+without a trip through a download thread: on a busy machine every hand-off between threads waits
+for the GIL. Carried frames still arriving (:mod:`infra.weightsync.tailstream`) go through a
+download thread like a shard's, so they too decode as their bytes come in.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class Range:
     start: int
     length: int
     frames: list[tuple[int, int, int, int]] = field(default_factory=list)  # tensor, chunk, rel off, len
-    inline: bool = False  # frames the manifest object carries (``TAIL_SHARD``): nothing to download
+    carried: bool = False  # frames the manifest object carries (``TAIL_SHARD``)
+    inline: bool = False  # carried frames already in: decoded on the calling thread, no download
     sent: int = 0  # frames handed to the decoders while the range was still downloading
 
 
@@ -71,7 +74,8 @@ def plan_ranges(steps: list[Step], prefix: str, range_bytes: int) -> list[Range]
             for off, ln, ti, ci in frames:
                 if cur is None or off != cur.start + cur.length or cur.length + ln > range_bytes:
                     name = man.shards[shard]
-                    cur = Range(si, f"{version_dir(prefix, v)}/{name}", off, 0, inline=name == TAIL_SHARD)
+                    carried = name == TAIL_SHARD
+                    cur = Range(si, f"{version_dir(prefix, v)}/{name}", off, 0, carried=carried, inline=carried)
                     out.append(cur)
                 cur.frames.append((ti, ci, off - cur.start, ln))
                 cur.length += ln

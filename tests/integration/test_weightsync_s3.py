@@ -66,6 +66,37 @@ def test_missing_object_over_s3(store: S3Store) -> None:
     assert v == 3 and same(got, d2.bf16())
 
 
+def test_frames_a_manifest_carries_stream_in_over_s3(store: S3Store) -> None:
+    """A delta that rides whole in its manifest object, larger than one piece of an S3 body: the
+    reader gets the manifest with the frames still arriving (a :class:`StreamedTail`) and applies
+    them bit-exact; a reader of a cut copy of the object gets the manifest object's CorruptData."""
+    from infra.storage import RANGE_PIECE_BYTES
+    from infra.weightsync import CorruptData
+    from infra.weightsync.layout import manifest_key
+    from infra.weightsync.tailstream import StreamedTail
+
+    d = Drift(scale=32)
+    pub = VersionPublisher(store, PREFIX, snapshot_chain_fraction=100, chunk_bytes=64 << 10)
+    first = d.bf16()
+    pub.publish(first)
+    d.step(lr=2e-4)  # dense: most words change
+    second = d.bf16()
+    assert pub.publish(second).kind == "delta"
+    pub.close()
+    rd = VersionReader(store, PREFIX, strict=True)
+    have, hv = rd.fetch(1)
+    man = rd.manifest(2)
+    assert man.shards == ["@manifest"] and len(man.tail) > RANGE_PIECE_BYTES  # two pieces or more
+    assert isinstance(man.tail, StreamedTail)
+    got, v = rd.fetch(None, have, hv)
+    assert v == 2 and same(got, second) and man.tail.complete and not man.tail.failed
+    key = manifest_key(PREFIX, 2)
+    store.put(key, store.get(key)[:-1000])
+    with pytest.raises(CorruptData, match="truncated") as err:
+        VersionReader(store, PREFIX, strict=True).fetch(None, {k: t.clone() for k, t in first.items()}, 1)
+    assert (err.value.version, err.value.key) == (2, key)
+
+
 def test_cli_over_s3(s3_bucket: str, s3_endpoint: str, tmp_path: Path) -> None:
     from deltaloop.cli_sync import register
 

@@ -169,8 +169,9 @@ def test_corrupt_manifest(store: FileStore) -> None:
 
 def test_frames_carried_by_the_manifest(store: FileStore) -> None:
     """The last delta frames ride in the manifest object: a flipped byte inside them is a
-    CorruptData naming version and tensor; a cut inside them (the manifest records how many bytes
-    they are) or inside the header a ManifestError; the keyframe recovers either way."""
+    CorruptData naming version and tensor; a cut inside them or bytes appended after them (the
+    manifest records how many bytes they are) a CorruptData naming the manifest object; a cut
+    inside the header a ManifestError; the keyframe recovers either way."""
     h = _history(store, n=4, k=2)  # starts 1 (full), 3 (snapshot); deltas 2, 3, 4
     p = _path(store, 4, "manifest.json.zst")
     blob = p.read_bytes()
@@ -184,16 +185,22 @@ def test_frames_carried_by_the_manifest(store: FileStore) -> None:
     with pytest.raises(CorruptData) as err:
         VersionReader(store, PREFIX, strict=True).fetch(have={k: t.clone() for k, t in have.items()}, have_version=3)
     assert err.value.version == 4 and err.value.tensor
+    key = f"{PREFIX}/v00000004/manifest.json.zst"
     p.write_bytes(blob[: len(blob) - len(man.tail) // 2])  # cut inside the carried frames
-    with pytest.raises(ManifestError, match="shard_sizes"):
+    with pytest.raises(CorruptData, match="truncated") as cut:
         VersionReader(store, PREFIX, strict=True).fetch(4)
+    assert (cut.value.version, cut.value.key) == (4, key)
+    p.write_bytes(blob + b"\0")  # a byte more than the manifest says it carries
+    with pytest.raises(CorruptData, match="more than") as more:
+        VersionReader(store, PREFIX, strict=True).fetch(4)
+    assert (more.value.version, more.value.key) == (4, key)
     p.write_bytes(blob[:6])  # cut inside the header
     with pytest.raises(ManifestError):
         VersionReader(store, PREFIX, strict=True).fetch(4)
     rd = VersionReader(store, PREFIX)  # not strict: still the newest version, or a fault naming it
     with pytest.raises(ManifestError) as merr:
         rd.fetch()
-    assert merr.value.version == 4 and merr.value.key == f"{PREFIX}/v00000004/manifest.json.zst"
+    assert merr.value.version == 4 and merr.value.key == key
     got, v = rd.fetch(allow_older=True)  # accepted explicitly: the newest version that verifies
     assert v == 3 and same(got, h[2]) and rd.last_errors
     p.write_bytes(blob)

@@ -15,6 +15,7 @@ import torch
 
 from infra.storage import FileStore
 from infra.weightsync import CorruptData, MissingObject, VersionPublisher, VersionReader
+from infra.weightsync.layout import MANIFEST
 from infra.weightsync.schedule import Arrived, DecodePipeline, Range
 from tests.weightsync_helpers import Drift, same
 
@@ -23,7 +24,8 @@ PREFIX = "w"
 
 class PieceStore(FileStore):
     """A store whose ranged reads arrive in ``piece``-byte pieces, as over a network; ``extra``
-    bytes are appended to (negative: cut from) every range, as a faulty server would."""
+    bytes are appended to (negative: cut from) every range of a shard, as a faulty server would
+    (manifest objects cut or lengthened: tests/unit/test_weightsync_faults.py)."""
 
     def __init__(self, root: Path, piece: int, extra: int = 0) -> None:
         super().__init__(root)
@@ -32,7 +34,8 @@ class PieceStore(FileStore):
 
     def iter_range(self, key: str, start: int, length: int) -> Iterator[bytes]:
         data = self.get_range(key, start, length)
-        data = data + b"\0" * self.extra if self.extra >= 0 else data[: self.extra]
+        if not key.endswith(MANIFEST):
+            data = data + b"\0" * self.extra if self.extra >= 0 else data[: self.extra]
         for i in range(0, len(data), self.piece):
             self.pieces += 1
             yield data[i : i + self.piece]
