@@ -33,6 +33,10 @@ What is measured, per learning rate (1e-6, 3e-6, 1e-5):
   (deltas and snapshots, manifests included) divided by the versions after 1 and by the bf16
   bytes. Version 1 is the full model every reader needs once; it is reported apart.
 
+- with ``--delta-shard-kib A,B``: the end-to-end delta sync again per publisher delta shard size,
+  in two rounds (A then B, then B then A; ``e2e_by_delta_shard``), to weigh shard sizes side by side
+  on one link.
+
 The end-to-end delta setting is kinder than a run's: no snapshot among the timed syncs
 (``snapshot_chain_fraction=100``; in a run snapshots upload in the background, below deltas), one
 reader, and a link that limits bandwidth but adds no latency; its speedup is an upper bound
@@ -364,8 +368,10 @@ def speed(before: dict[str, Any], after: dict[str, Any], threads: int,
 E2E_DELTA_REPEATS = 15  # delta syncs timed per lr (median reported); the full one is link-bound and timed once
 
 
-def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, bucket: str) -> dict[str, float]:
-    """Seconds from publish start to verified weights at a reader, full vs delta, through the link."""
+def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, bucket: str,
+               delta_shard_bytes: int | None = None, full: bool = True) -> dict[str, float]:
+    """Seconds from publish start to verified weights at a reader, full (unless not ``full``) vs
+    delta, through the link; ``delta_shard_bytes``: the publisher's (default: the shipped size)."""
     import gc
 
     from infra.gcpause import freeze_startup_objects
@@ -378,29 +384,32 @@ def end_to_end(before: dict[str, Any], after: dict[str, Any], endpoint: str, buc
     # between publish() and fetch() walks torch's import-time objects for ~150-190 ms on this VM.
     freeze_startup_objects()
     try:
-        return _end_to_end(before, after, store)
+        return _end_to_end(before, after, store, delta_shard_bytes, full)
     finally:
         gc.unfreeze()
 
 
-def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any) -> dict[str, float]:
+def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any, delta_shard_bytes: int | None,
+                full: bool) -> dict[str, float]:
     import torch
 
     from infra.weightsync import VersionPublisher, VersionReader
+    from infra.weightsync.publisher import DEFAULT_DELTA_SHARD_BYTES
     from infra.weightsync.rawbytes import same_bits as same
 
-    out: dict[str, float] = {}
-    # full: a fresh reader gets a keyframe
-    pub = VersionPublisher(store, "full", snapshot_chain_fraction=100, threads=os.cpu_count() or 2)
-    rd = VersionReader(store, "full", threads=os.cpu_count() or 2)
-    t0 = time.perf_counter()
-    info = pub.publish(after)
-    got, v = rd.fetch()
-    out["e2e_full_seconds"] = time.perf_counter() - t0
-    out["full_bytes_written"] = info.bytes_written
-    assert v == 1 and same(got, after)
+    out: dict[str, float] = {"delta_shard_bytes": delta_shard_bytes or DEFAULT_DELTA_SHARD_BYTES}
+    if full:  # a fresh reader gets a keyframe
+        pub = VersionPublisher(store, "full", snapshot_chain_fraction=100, threads=os.cpu_count() or 2)
+        rd = VersionReader(store, "full", threads=os.cpu_count() or 2)
+        t0 = time.perf_counter()
+        info = pub.publish(after)
+        got, v = rd.fetch()
+        out["e2e_full_seconds"] = time.perf_counter() - t0
+        out["full_bytes_written"] = info.bytes_written
+        assert v == 1 and same(got, after)
     # delta: the reader holds the previous version
-    pub = VersionPublisher(store, "delta", snapshot_chain_fraction=100, threads=os.cpu_count() or 2)
+    pub = VersionPublisher(store, "delta", snapshot_chain_fraction=100, threads=os.cpu_count() or 2,
+                           delta_shard_bytes=out["delta_shard_bytes"])
     rd = VersionReader(store, "delta", threads=os.cpu_count() or 2)
     pub.publish(before)
     have, hv = rd.fetch()
@@ -437,6 +446,20 @@ def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any) -> di
     return out
 
 
+def shard_side_by_side(before: dict[str, Any], after: dict[str, Any], endpoint: str, bucket: str,
+                       delta_shard_kib: list[int]) -> list[dict[str, float]]:
+    """:func:`end_to_end`'s delta sync once per publisher delta shard size, in two rounds (the sizes
+    in the order given, then reversed, so a drift of the machine does not favour one), each in a
+    bucket of its own: one record per size and round."""
+    out = []
+    for rnd, order in enumerate((delta_shard_kib, delta_shard_kib[::-1])):
+        for kib in order:
+            r = end_to_end(before, after, endpoint, f"{bucket}-s{kib}-{rnd}", delta_shard_bytes=kib << 10, full=False)
+            out.append({"delta_shard_kib": kib, "round": rnd, "e2e_delta_seconds": r["e2e_delta_seconds"],
+                        "e2e_delta_publish_seconds": r["e2e_delta_publish_seconds"]})
+    return out
+
+
 def _impl() -> str:
     """Which codec implementation runs: ``"numba"`` or ``"numpy"``."""
     from infra.weightsync.kernels import implementation
@@ -452,8 +475,11 @@ def hardware() -> str:
 
 
 # ------------------------------------------------------------------------------------- run
-def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
-    """Run the benchmark; print a table; write the JSON list of per-lr records to ``json_path``."""
+def run(json_path: Path, quick: bool, *, delta_shard_kib: list[int] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark; print a table; write the JSON list of per-lr records to ``json_path``.
+
+    ``delta_shard_kib`` (``--delta-shard-kib``) adds, per learning rate, the end-to-end delta sync
+    once per publisher delta shard size (:func:`shard_side_by_side`, ``e2e_by_delta_shard``)."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -490,6 +516,12 @@ def run(json_path: Path, quick: bool) -> list[dict[str, Any]]:
              rec["encode_gbps_all_stateless"]) = speed(before, after, cores, reps)
             rec.update(end_to_end(before, after, proxy.url, f"wsbench-{i}"))
             rec["e2e_speedup"] = rec["e2e_full_seconds"] / rec["e2e_delta_seconds"]
+            if delta_shard_kib:
+                rec["e2e_by_delta_shard"] = shard_side_by_side(before, after, proxy.url, f"wsbench-{i}",
+                                                               delta_shard_kib)
+                for s in rec["e2e_by_delta_shard"]:
+                    console.print(f"lr {lr:g}, delta shards {s['delta_shard_kib']} KiB (round {s['round'] + 1}): "
+                                  f"e2e delta {s['e2e_delta_seconds']:.3f}s, publish {s['e2e_delta_publish_seconds']:.3f}s")
             rec.update({
                 "params": nparams, "layers": cfg["layers"], "adamw_steps": steps, "batch": batch, "seqlen": seqlen,
                 "speed_reps": reps, "seconds_per_train_step": step_s, "link_mb_per_s": LINK_BYTES_PER_S / 1e6, "hardware": hw,

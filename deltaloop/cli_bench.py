@@ -35,7 +35,8 @@ def register(app: typer.Typer) -> None:
             None, "--placement", help="sync: object_store, broadcast, colocated (repeatable or a,b)."),
         delta_shard_kib: Optional[list[str]] = typer.Option(
             None, "--delta-shard-kib",
-            help="sync: object_store once per publisher delta shard size, KiB (repeatable or a,b; shipped 4096)."),
+            help="sync: object_store once per publisher delta shard size, KiB (repeatable or a,b; shipped "
+                 "4096); weightsync: its end-to-end delta sync once per size, two rounds."),
     ) -> None:
         """Run benchmark NAME; print a table and write JSON to --json."""
         from bench import BENCHMARKS

@@ -16,7 +16,9 @@ from tests.cli_helpers import cli_app
     (["sync", "--delta-shard-kib", "256,-4"], "positive"),
     (["sync", "--delta-shard-kib", "1MiB"], "bad option value"),
     (["sync", "--lr", "fast"], "bad option value"),
-    (["weightsync", "--delta-shard-kib", "256"], "takes no --delta-shard-kib"),
+    (["sandbox", "--delta-shard-kib", "256"], "takes no --delta-shard-kib"),
+    (["weightsync", "--delta-shard-kib", "0"], "positive"),
+    (["weightsync", "--rtt-ms", "40"], "takes no --rtt-ms"),
     (["no-such-bench"], "no-such-bench"),
 ])
 def test_bad_bench_options_exit_2_without_running(tmp_path: Path, args: list[str], message: str) -> None:
