@@ -53,7 +53,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -447,16 +447,18 @@ def _end_to_end(before: dict[str, Any], after: dict[str, Any], store: Any, delta
 
 
 def shard_side_by_side(before: dict[str, Any], after: dict[str, Any], endpoint: str, bucket: str,
-                       delta_shard_kib: list[int]) -> list[dict[str, float]]:
+                       delta_shard_kib: list[int], say: Callable[[str], None]) -> list[dict[str, float]]:
     """:func:`end_to_end`'s delta sync once per publisher delta shard size, in two rounds (the sizes
     in the order given, then reversed, so a drift of the machine does not favour one), each in a
-    bucket of its own: one record per size and round."""
+    bucket of its own: one record per size and round, each also told to ``say`` as it is done."""
     out = []
     for rnd, order in enumerate((delta_shard_kib, delta_shard_kib[::-1])):
         for kib in order:
             r = end_to_end(before, after, endpoint, f"{bucket}-s{kib}-{rnd}", delta_shard_bytes=kib << 10, full=False)
             out.append({"delta_shard_kib": kib, "round": rnd, "e2e_delta_seconds": r["e2e_delta_seconds"],
                         "e2e_delta_publish_seconds": r["e2e_delta_publish_seconds"]})
+            say(f"delta shards {kib} KiB (round {rnd + 1}): e2e delta {r['e2e_delta_seconds']:.3f}s, "
+                f"publish {r['e2e_delta_publish_seconds']:.3f}s")
     return out
 
 
@@ -518,10 +520,7 @@ def run(json_path: Path, quick: bool, *, delta_shard_kib: list[int] | None = Non
             rec["e2e_speedup"] = rec["e2e_full_seconds"] / rec["e2e_delta_seconds"]
             if delta_shard_kib:
                 rec["e2e_by_delta_shard"] = shard_side_by_side(before, after, proxy.url, f"wsbench-{i}",
-                                                               delta_shard_kib)
-                for s in rec["e2e_by_delta_shard"]:
-                    console.print(f"lr {lr:g}, delta shards {s['delta_shard_kib']} KiB (round {s['round'] + 1}): "
-                                  f"e2e delta {s['e2e_delta_seconds']:.3f}s, publish {s['e2e_delta_publish_seconds']:.3f}s")
+                                                               delta_shard_kib, lambda m: console.print(f"lr {lr:g}, {m}"))
             rec.update({
                 "params": nparams, "layers": cfg["layers"], "adamw_steps": steps, "batch": batch, "seqlen": seqlen,
                 "speed_reps": reps, "seconds_per_train_step": step_s, "link_mb_per_s": LINK_BYTES_PER_S / 1e6, "hardware": hw,
