@@ -110,11 +110,10 @@ def acquire_capacity(kind: str, names: list[str], poll: float = POLL_SECONDS) ->
             while True:
                 gates = 0 if kind == "gate" else _gates_waiting(client)
                 lease = None if gates else _take(client, names, _holder())
-                if lease is not None and kind != "gate" and _gates_waiting(client):
-                    # A gate began waiting between the check and the take: the check and the take
-                    # are two requests, so the take is undone and the gate goes first.
-                    client.release_concurrency_slots_with_lease(lease)
-                    lease, gates = None, _gates_waiting(client)
+                late = _gates_waiting(client) if lease is not None and kind != "gate" else 0
+                if late:  # a gate began waiting between the check and the take (two requests):
+                    client.release_concurrency_slots_with_lease(lease)  # undone; the gate goes first
+                    lease, gates = None, late
                 if lease is not None:
                     _say(f"capacity acquired: {', '.join(names)}")
                     return lease

@@ -485,17 +485,13 @@ class VersionReader:
         """:func:`plan_ranges` of ``steps``; its fault (a keyframe manifest without a chunk's
         keyframe frame) names the manifest object (the snapshot's, when the replay starts from one)."""
         try:
-            ranges = plan_ranges(steps, self.prefix, self.range_bytes)
+            return plan_ranges(steps, self.prefix, self.range_bytes)
         except WeightSyncError as exc:
             if exc.version is None:
                 raise
             snap = from_snapshot and exc.version == steps[0][0]
             raise exc.at(snapshot_key(self.prefix, exc.version) if snap else
                          manifest_key(self.prefix, exc.version)) from None
-        for r in ranges:  # carried frames still arriving are waited for on a download thread
-            tail = steps[r.step][2].tail
-            r.inline = r.carried and not (isinstance(tail, StreamedTail) and not tail.complete)
-        return ranges
 
     def _check_chain_layout(self, start: Manifest, deltas: list[int]) -> None:
         """Every delta version has the tensors and chunk size of the version replayed from, and a

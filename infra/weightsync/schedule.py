@@ -33,6 +33,7 @@ from typing import Callable
 from infra.weightsync.errors import CorruptData, WeightSyncError
 from infra.weightsync.layout import TAIL_SHARD, Manifest, version_dir
 from infra.weightsync.pools import settle
+from infra.weightsync.tailstream import StreamedTail
 
 Step = tuple[int, str, Manifest]  # (version, "k" keyframe frames | "d" delta frames, its manifest)
 Decode = Callable[[int, int, int, memoryview], None]  # (step, tensor, chunk, frame bytes)
@@ -74,8 +75,9 @@ def plan_ranges(steps: list[Step], prefix: str, range_bytes: int) -> list[Range]
             for off, ln, ti, ci in frames:
                 if cur is None or off != cur.start + cur.length or cur.length + ln > range_bytes:
                     name = man.shards[shard]
-                    carried = name == TAIL_SHARD
-                    cur = Range(si, f"{version_dir(prefix, v)}/{name}", off, 0, carried=carried, inline=carried)
+                    carried = name == TAIL_SHARD  # inline once they are all in (else still streaming)
+                    inline = carried and not (isinstance(man.tail, StreamedTail) and not man.tail.complete)
+                    cur = Range(si, f"{version_dir(prefix, v)}/{name}", off, 0, carried=carried, inline=inline)
                     out.append(cur)
                 cur.frames.append((ti, ci, off - cur.start, ln))
                 cur.length += ln
