@@ -18,9 +18,11 @@ Per model (the demo's tiny model; with ``quick`` false also SmolLM2-135M from ``
 - bytes on the wire per version and reader: what the receiver got over the group (full bf16 model
   plus header, layout and digests) vs what the publisher wrote (deltas and background snapshots).
 
-In a run the trainer publishes every version to the store in ``train_step`` under both placements
-(:mod:`infra.train.broadcast_ops`), so what the placement changes in a step is the sync stage:
-``p50_seconds`` against ``object_store_load_p50_seconds`` (``broadcast_vs_object_store_load``).
+In a run under the broadcast placement the trainer publishes each version to the store after
+sending it (:mod:`infra.train.publish_behind`), while the next batch is generated, so what the
+placement changes on the path from "trainer has the weights" to "worker serves them" is
+``p50_seconds`` against ``object_store_p50_seconds`` (publish + load: ``broadcast_vs_object_store``);
+``broadcast_vs_object_store_load`` compares the send with the load alone.
 
 ``full_seconds`` and ``floor_seconds`` are None: every broadcast version is a full model, and on
 loopback there is no link to take a floor from.
@@ -55,7 +57,7 @@ class BenchTrainer(BroadcastOps):
     ``call`` is :meth:`~infra.train.service.TrainerService.call`'s shape."""
 
     def __init__(self, cfg: Any, model: Any) -> None:
-        self.cfg, self.rank, self.weights_version = cfg, 0, 0
+        self.cfg, self.rank, self.world, self.weights_version = cfg, 0, 1, 0
         self.engine = _Engine(model)
 
     def call(self, op: str, timeout_s: float = 3600.0, **kwargs: Any) -> dict[str, Any]:

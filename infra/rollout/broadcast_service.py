@@ -12,10 +12,11 @@ through the object store.
   ``retryable`` when not applied) plus ``via``, ``bytes`` (on the wire for this worker) and
   ``wall_seconds``. A version the trainer does not hold (a resumed run's first load) comes from the
   store.
-- The trainer still publishes every version to the object store in ``train_step``: checkpoints and
-  resume, ``deltaloop sync fetch`` and a replaced worker read them there. So when the group breaks
-  (a worker or the trainer died mid-version; each side gives up after
-  ``weight_sync.broadcast_timeout_s``), the version is loaded from the store instead, the line is
+- The trainer still publishes every version to the object store, right after sending it
+  (:mod:`infra.train.publish_behind`): checkpoints and resume, ``deltaloop sync fetch`` and a
+  replaced worker read them there. So when the group breaks (a worker or the trainer died
+  mid-version; each side gives up after ``weight_sync.broadcast_timeout_s``), the version is loaded
+  from the store instead, waiting up to that timeout for its upload to commit, the line is
   reported, and the next load binds a fresh group first. A dead worker is replaced as in the
   object-store placement (:meth:`~infra.rollout.service.RolloutService.restart`: the version the dead
   one served, from the store), and the next load forms a fresh group first.
@@ -52,6 +53,11 @@ class BroadcastRolloutService(RolloutService):
     @property
     def timeout_s(self) -> float:
         return float(self.cfg.weight_sync.broadcast_timeout_s)
+
+    @property
+    def store_wait_s(self) -> float:  # type: ignore[override]
+        """A version reaches the store after it was sent: the store's copy may still be uploading."""
+        return self.timeout_s
 
     def bind_trainer(self, trainer: Any) -> None:
         """Form a fresh group of ``trainer``'s rank 0 and the worker (raises :class:`BroadcastBindFailed`)."""

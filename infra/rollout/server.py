@@ -106,12 +106,16 @@ class RolloutWorker:
         return {"version": self.version, "load_failures": self.load_failures,
                 "refused_older": self.refused_older, "last_load_error": self.last_load_error}
 
-    def load(self, version: int | None) -> dict[str, Any]:
+    def load(self, version: int | None, wait_s: float = 0.0) -> dict[str, Any]:
         """Fetch ``version`` (None = newest) from the store and apply it in place.
 
         A version older than the one served is refused (:class:`ControlRefused`, 409). A version
-        that cannot be fetched and verified leaves the served one in place: the answer says so
-        (``applied: false``, ``requested``, ``error``) instead of raising."""
+        not committed in the store is refused (404) after waiting up to ``wait_s`` for it to commit
+        (the broadcast placement publishes a version after sending it). A version that cannot be
+        fetched and verified leaves the served one in place: the answer says so (``applied: false``,
+        ``requested``, ``error``) instead of raising."""
+        if version is not None and wait_s > 0:
+            self._wait_committed(version, wait_s)
         with self._lock:
             started = time.perf_counter()
             current = self.version
@@ -146,6 +150,12 @@ class RolloutWorker:
                 self._tensors = None
                 raise
             return {"version": got, "seconds": time.perf_counter() - started, "applied": True}
+
+    def _wait_committed(self, version: int, wait_s: float) -> None:
+        """Return once ``version`` is committed in the store, or after ``wait_s`` seconds."""
+        deadline = time.monotonic() + wait_s
+        while version not in self.reader.versions() and time.monotonic() < deadline:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _apply(self, target: int, have_version: int | None) -> int:
         """Fetch ``target`` and hand it to the engine; the version now served."""
@@ -205,11 +215,13 @@ class RolloutWorker:
 
 
 class LoadReq(BaseModel):
-    """Body of ``POST /v1/load``: the version to serve (None = newest)."""
+    """Body of ``POST /v1/load``: the version to serve (None = newest), and how long to wait for it
+    to be committed in the store (seconds; 0 = refuse it at once if it is not)."""
 
     model_config = ConfigDict(extra="forbid")
 
     version: int | None = Field(None, ge=1)
+    wait_s: float = Field(0.0, ge=0.0, le=3600.0)
 
 
 class BroadcastJoinReq(BaseModel):
@@ -287,7 +299,7 @@ def build_app(worker: RolloutWorker, token: str, model_name: str = "policy", bas
     @app.post("/v1/load")
     def load(req: LoadReq) -> dict[str, Any]:
         try:
-            return worker.load(req.version)
+            return worker.load(req.version, req.wait_s)
         except LookupError as exc:
             raise HTTPException(409, str(exc)) from exc
 

@@ -56,6 +56,10 @@ class RolloutService:
 
     ``report`` receives one line per restart (the flow passes its progress printer)."""
 
+    #: how long the worker waits for a version it is told to load to be committed in the store: 0
+    #: here, where a version is loaded only once committed (the broadcast placement's is longer)
+    store_wait_s = 0.0
+
     def __init__(self, cfg: RunConfig, run_id: str, store: ObjectStore, run_dir: Path,
                  init_dir: str | None = None, report: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
@@ -229,7 +233,7 @@ class RolloutService:
                 if self.served is None:
                     return
                 try:
-                    self._post("/v1/load", {"version": self.served})
+                    self._post("/v1/load", {"version": self.served, "wait_s": self.store_wait_s})
                     return
                 except ServiceDied as exc:
                     if not self._gone():
@@ -241,8 +245,9 @@ class RolloutService:
         from the store and needs nothing from it (placements that do override this)."""
 
     def load(self, version: int | None = None) -> dict[str, Any]:
-        """Make the worker serve ``version`` (None = newest published)."""
-        res = self._control("/v1/load", {"version": version})
+        """Make the worker serve ``version`` (None = newest published; waiting up to
+        :attr:`store_wait_s` for it to be committed in the store)."""
+        res = self._control("/v1/load", {"version": version, "wait_s": self.store_wait_s})
         self.served = int(res["version"])
         return res
 

@@ -147,6 +147,9 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
     """Log one step's metrics to MLflow, keep them in the history, print a progress line."""
     m = train.get("metrics", {})
     pub = train.get("publish", {})
+    # bytes that synced the rollout engine: the published version's, or, when the version was
+    # broadcast and is published to the store after (kind "behind"), the bytes on the wire
+    sync_bytes = sync.get("bytes") if pub.get("kind") == "behind" else pub.get("bytes_written")
     stage_seconds = (roll.get("seconds", 0.0) + score.get("score_seconds", 0.0) + m.get("train_seconds", 0.0)
                      + m.get("checkpoint_seconds", 0.0) + pub.get("seconds", 0.0) + sync.get("seconds", 0.0))
     row = {
@@ -158,8 +161,8 @@ def record_step(ctx: RunContext, step: int, roll: dict[str, Any], score: dict[st
         "rollout_seconds": roll.get("seconds"), "score_seconds": score.get("score_seconds"),
         "score_ms_per_sample": score.get("score_ms_per_sample"),
         "train_seconds": m.get("train_seconds"), "sandbox_latency_ms": score.get("sandbox_latency_ms"),
-        "sync_bytes": pub.get("bytes_written"), "sync_raw_bytes": pub.get("raw_bytes"),
-        "sync_fraction": (pub.get("bytes_written", 0) / pub["raw_bytes"]) if pub.get("raw_bytes") else None,
+        "sync_bytes": sync_bytes, "sync_raw_bytes": pub.get("raw_bytes"),
+        "sync_fraction": ((sync_bytes or 0) / pub["raw_bytes"]) if pub.get("raw_bytes") else None,
         "sync_changed_fraction": pub.get("changed_fraction"),
         "sync_publish_seconds": pub.get("seconds"), "sync_load_seconds": sync.get("seconds"),
         "step_seconds": wall,

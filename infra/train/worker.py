@@ -174,6 +174,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         replayed weights are bit-identical to the ones published before the failure."""
         if self.cfg.weight_sync.placement == "colocated":  # no sync: the ranks generate with these parameters
             return self._colocated_publish()
+        self._bc_settle()
         t0 = time.perf_counter()
         target = self.weights_version + 1
         exists = [False]
@@ -191,10 +192,17 @@ class Trainer(BroadcastOps, ColocatedOps):
         assert tensors is not None and self.publisher is not None
         if self.publisher.version != target - 1:
             raise RuntimeError(f"publisher is at version {self.publisher.version}, cannot publish {target}")
-        info = self.publisher.publish(tensors)
+        if self.cfg.weight_sync.placement == "broadcast":  # sent first, published after (publish_behind.py)
+            return self._bc_defer(target, tensors, t0)
+        return self._publish_tensors(tensors, t0)
+
+    def _publish_tensors(self, tensors: dict[str, torch.Tensor], t0: float) -> dict[str, Any]:
+        """Rank 0: publish ``tensors`` as the publisher's next version; the record of it (``seconds``
+        counts from ``t0``: gather + cast + encode + upload)."""
+        info = self._open_publisher().publish(tensors)
         out = {k: getattr(info, k) for k in ("version", "kind", "bytes_written", "raw_bytes")}
         out["encode_seconds"] = info.seconds
-        out["seconds"] = time.perf_counter() - t0  # gather + cast + encode + upload
+        out["seconds"] = time.perf_counter() - t0
         out["changed_fraction"] = getattr(info, "changed_fraction", None)
         return out
 
@@ -216,6 +224,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         """Collective: write weight version ``version`` again, as a keyframe of the current weights,
         after a reader found one of its objects corrupt or missing. Only the version these weights
         are (the newest: the flow asks right after the step that published it)."""
+        self._bc_settle()
         if version != self.weights_version:
             raise ValueError(f"cannot republish weight version {version}: the trainer holds version "
                              f"{self.weights_version}")
@@ -236,6 +245,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         """Save the full trainer state as the checkpoint of ``step`` (collective; committed by rank 0)."""
         from infra.train import checkpoint
 
+        self._bc_settle()  # the version the checkpoint names is committed before it
         tcfg = self.cfg.trainer
         meta = {"weights_version": self.weights_version, "engine": tcfg.engine, "zero_stage": tcfg.zero_stage,
                 "lora": tcfg.lora.enabled, "config_hash": self.cfg.config_hash()}
@@ -249,6 +259,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         """Load checkpoint ``step`` (None: the newest committed). ``{"step": None}`` if there is none."""
         from infra.train import checkpoint
 
+        self._bc_settle()
         box: list[Any] = [step]
         if step is None and self.rank == 0:
             steps = checkpoint.committed_steps(self.store, self.run_id)
@@ -276,6 +287,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         ``trainer.min_group_samples`` scored samples is dropped (:func:`~infra.train.grpo.plan_batch`)."""
         from infra.train.grpo import plan_batch
 
+        behind = self._bc_settle()  # before anything changes: a failure here leaves the step to be retried
         done_key = run_key(self.run_id, step, "train.json")
         if step <= self.step:
             return get_json(self.store, done_key) if self.rank == 0 else {}
@@ -312,6 +324,7 @@ class Trainer(BroadcastOps, ColocatedOps):
                                 "masked_samples": float(plan.masked),
                                 "masked_groups_dropped": float(plan.groups_dropped)},
                     "publish": publish,
+                    **({"published_behind": behind} if behind else {}),  # the previous version's publish
                     **batch_record(rollouts, scores, get_json(self.store, prompts_key) if prompts_key else None),
                 }
                 put_json(self.store, done_key, result)  # before the checkpoint: a restored step has its record
@@ -387,6 +400,7 @@ class Trainer(BroadcastOps, ColocatedOps):
     # ---------------------------------------------------------------------------------- export
     def op_export(self, path: str) -> dict[str, Any]:
         """Save the current policy (fp32, adapters merged) as a Hugging Face safetensors folder (rank 0)."""
+        self._bc_settle()
         full = self._hf_state()
         if self.rank == 0:
             assert full is not None and self.model is not None
@@ -453,6 +467,7 @@ def main() -> None:
         cmd = dict(box[0])
         op = cmd.get("op")
         if op == "shutdown":
+            trainer.bc_settle_quietly()
             if server is not None:
                 server.reply({"ok": True})
             break

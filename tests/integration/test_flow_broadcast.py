@@ -4,14 +4,16 @@ rollout worker process, bubblewrap sandboxes, a file object store.
 - the whole rl-train flow (Prefect's test harness) on the tiny demo config: every step's rollouts
   come from the version trained before it, each received from trainer rank 0 over the group;
 - the flow's stages driven one by one (as the flow calls them), to look at the served weights after
-  each sync: their digests equal the trainer's published bits; a killed rollout worker is replaced
-  and joins a fresh group; a restarted trainer group binds again.
+  each sync: their digests equal the bits the trainer publishes to the store after sending them; a
+  rollout worker killed right after a sync is replaced with that version from the store and joins a
+  fresh group; a restarted trainer group binds again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -63,10 +65,15 @@ def _served(service: Any) -> dict[str, Any]:
 
 
 def _published(ctx: Any, version: int) -> dict[str, str]:
+    """Digests of ``version`` as the store has it, once committed (it is published after its send)."""
     from infra.rollout.digest import state_digests
     from infra.weightsync import VersionReader
 
-    tensors, got = VersionReader(ctx.store, ctx.key(None, "weights")).fetch(target=version)
+    reader = VersionReader(ctx.store, ctx.key(None, "weights"))
+    deadline = time.monotonic() + 60
+    while version not in reader.versions() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    tensors, got = reader.fetch(target=version)
     assert got == version
     return state_digests(tensors)
 
@@ -100,9 +107,16 @@ def test_stages_serve_the_trainers_bits_across_worker_and_trainer_restarts(tmp_p
         for step in (1, 2):
             rollout_batch(ctx, cluster, step)
             score_batch(ctx, cluster, step)
-            _sync(ctx, cluster, int(train_step(ctx, cluster, step)["publish"]["version"]))
+            train = train_step(ctx, cluster, step)
+            # sent first, published after: the step's record has no store bytes yet, the next one has them
+            assert train["publish"]["kind"] == "behind" and train["publish"]["bytes_written"] is None
+            if step == 2:
+                assert train["published_behind"]["version"] == 2 and train["published_behind"]["bytes_written"] > 0
+            _sync(ctx, cluster, int(train["publish"]["version"]))
 
-        os.kill(service.pid, 9)  # the worker dies between versions: replaced, it joins a fresh group
+        os.kill(service.pid, 9)  # dies right after a sync: the replacement loads version 3 from the store
+        rollout_batch(ctx, cluster, 3)
+        assert service.restarts == 1 and _served(service)["tensors"] == _published(ctx, 3)
         nxt = int(cluster.trainer.call("publish")["version"])
         _sync(ctx, cluster, nxt)
         assert service.restarts == 1 and service.bound and service.broadcast_fallbacks == 0

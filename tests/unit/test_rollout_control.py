@@ -94,6 +94,8 @@ def test_control_endpoints_take_only_rollout_keys_and_committed_versions(setup: 
     assert client.post("/v1/load", json={"version": 5}, headers=good).status_code == 404
     assert client.post("/v1/load", json={"version": 0}, headers=good).status_code == 422
     assert client.post("/v1/load", json={"version": 1, "extra": 1}, headers=good).status_code == 422
+    assert client.post("/v1/load", json={"version": 1, "wait_s": -1}, headers=good).status_code == 422
+    assert client.post("/v1/load", json={"version": 1, "wait_s": 3601}, headers=good).status_code == 422
     big = client.post("/v1/load", content=b" " * 5000, headers={**good, "content-type": "application/json"})
     assert big.status_code == 413
     assert worker.version == 0

@@ -159,3 +159,30 @@ def test_worker_reports_a_version_it_cannot_apply_and_never_moves_backwards(
     assert key in health["last_load_error"]
     assert client.get("/v1/version").json() == {"version": 3}
     client.close()
+
+
+def test_worker_waits_for_a_version_still_uploading_when_told_to(tmp_path: Path, keep_torch_threads: None) -> None:
+    """The broadcast placement publishes a version after sending it: a replaced worker told to load it
+    (``wait_s``) waits for its commit; without ``wait_s``, or past it, the version is refused (404)."""
+    import threading
+
+    from infra.rollout.errors import ControlRefused
+
+    store = FileStore(tmp_path / "store")
+    worker = RolloutWorker(RolloutSpec.build(load_config(None, OVERRIDES), "r", store.uri))
+    pub = VersionPublisher(store, run_key("r", None, "weights"))
+    states = _states(worker, 2)
+    with pytest.raises(ControlRefused, match="not committed"):
+        worker.load(1)
+    late = threading.Timer(0.5, pub.publish, args=(states[0],))
+    late.start()
+    try:
+        res = worker.load(1, wait_s=30)
+    finally:
+        late.join()
+    assert res["version"] == 1 and res["applied"]
+    for k, t in _served(worker).items():
+        assert torch.equal(t, states[0][k]), k
+    with pytest.raises(ControlRefused, match="version 2 is not committed"):
+        worker.load(2, wait_s=0.3)  # never published: refused once the wait is over
+    assert worker.version == 1
