@@ -3,6 +3,7 @@
     deltaloop sync publish DIR --store URI [--endpoint-url URL]      # prints version + bytes written
     deltaloop sync fetch --store URI [--version N] --out DIR         # byte-identical safetensors folder
     deltaloop sync fetch --store URI --out DIR --allow-older         # newest version that verifies
+    deltaloop sync fetch --store URI --out DIR --tensor NAME ...     # only these tensors (one stage's)
     deltaloop sync list --store URI                                   # committed versions
     deltaloop sync gc --store URI --keep N                            # collect old versions
 
@@ -19,7 +20,7 @@ why the newer one was not.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 
@@ -81,11 +82,22 @@ def fetch(
     strict: bool = typer.Option(False, "--strict", help="Fail on the first fault instead of recovering."),
     allow_older: bool = typer.Option(False, "--allow-older", help="Without --version: if the newest version "
                                      "does not verify, fetch the newest one that does (stdout says which)."),
+    tensor: Optional[List[str]] = typer.Option(None, "--tensor", help="Fetch only this tensor (repeatable; "
+                                               "e.g. the layers one pipeline stage serves): only its frames "
+                                               "are downloaded, and OUT holds just these tensors."),
 ) -> None:
-    """Fetch a version into OUT as a safetensors folder identical to the one published."""
+    """Fetch a version into OUT as a safetensors folder identical to the one published (with --tensor,
+    the same files holding only the tensors named)."""
     import logging
 
-    from infra.weightsync import VersionReader, WeightSyncError, read_folder, read_marker, write_folder
+    from infra.weightsync import (
+        IncompatibleTensors,
+        VersionReader,
+        WeightSyncError,
+        read_folder,
+        read_marker,
+        write_folder,
+    )
 
     if allow_older and version is not None:
         raise typer.BadParameter("--allow-older applies only without --version", param_hint="--allow-older")
@@ -94,10 +106,11 @@ def fetch(
     # the one ``error:`` line: its log records would only repeat them
     logging.getLogger("infra.weightsync.reader").setLevel(logging.ERROR)
     st = _open(store, endpoint_url)
-    rd = VersionReader(st, prefix, threads=threads, strict=strict)
+    names = sorted(set(tensor)) if tensor else None
+    rd = VersionReader(st, prefix, threads=threads, strict=strict, names=names)
     have = have_version = None
     mark = read_marker(out)
-    if mark and mark.get("store") == st.uri and mark.get("prefix") == prefix:
+    if mark and mark.get("store") == st.uri and mark.get("prefix") == prefix and mark.get("tensors") == names:
         try:
             have, _files, _meta = read_folder(out)
             have_version = int(mark["version"])
@@ -106,12 +119,13 @@ def fetch(
     try:
         tensors, v = rd.fetch(version, have=have, have_version=have_version, allow_older=allow_older)
     except WeightSyncError as exc:
-        if version is not None or allow_older:
+        if version is not None or allow_older or (names and isinstance(exc, IncompatibleTensors)):
             raise
         raise type(exc)(f"the newest committed version {rd.latest()} does not verify: {exc} (--allow-older "
                         "fetches the newest version that does)") from None
     man = rd.manifest(v)
-    write_folder(out, tensors, rd.files(v), man.meta, marker={"store": st.uri, "prefix": prefix, "version": v})
+    write_folder(out, tensors, rd.files(v), man.meta, marker={"store": st.uri, "prefix": prefix, "version": v,
+                                                              "tensors": names}, only=names)
     for err in rd.last_errors:
         typer.echo(f"recovered from: {err}", err=True)
     read = rd.last_stats.get("bytes_read", 0)

@@ -134,14 +134,14 @@ class BroadcastOps:
         return {"joined": True, "world": rv.address.world}
 
     def op_broadcast_send(self, version: int) -> dict[str, Any]:
-        """Collective on the trainer ranks (their weights are gathered to rank 0 with FSDP/ZeRO-3), then
-        rank 0 sends ``version`` to the group: the current weights if they are that version, else a
-        header saying it is not held here."""
+        """Collective on the trainer ranks, then rank 0 sends ``version`` to the group: the bf16 tensors
+        ``train_step`` kept for it (then starts their publish to the store), or the current weights
+        gathered to rank 0 if they are that version and nothing was kept, else a header saying it is
+        not held here."""
         import torch
+        import torch.distributed as dist
 
         from infra.weightsync.broadcast import BroadcastFailed
-
-        import torch.distributed as dist
 
         held = int(version) == self.weights_version  # type: ignore[attr-defined]
         behind = self._bc_behind if self._bc_behind is not None and self._bc_behind.version == int(version) else None

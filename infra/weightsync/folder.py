@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,8 +94,11 @@ def write_folder(
     files: dict[str, bytes],
     meta: dict[str, Any],
     marker: dict[str, Any] | None = None,
+    only: Collection[str] | None = None,
 ) -> Path:
-    """Write a safetensors folder from a fetched version (inverse of :func:`read_folder`).
+    """Write a safetensors folder from a fetched version (inverse of :func:`read_folder`); with
+    ``only``, the version's files hold just those tensors (a file left with none is removed, so no
+    file of another version stays behind).
 
     Every file is replaced atomically and durably (:func:`infra.atomicio.write_atomic`). The sync
     marker is removed first and written last, so a fetch killed half-way leaves a folder without a
@@ -110,8 +114,11 @@ def write_folder(
     paths.update({rel: member_path(root, rel, "files") for rel in files})
     (root / MARKER).unlink(missing_ok=True)
     for rel, spec in layout.items():
-        part = {name: tensors[name].contiguous() for name in spec["tensors"]}
-        write_atomic(paths[rel], save(part, metadata=spec.get("metadata")))
+        part = {name: tensors[name].contiguous() for name in spec["tensors"] if only is None or name in only}
+        if part or only is None:
+            write_atomic(paths[rel], save(part, metadata=spec.get("metadata")))
+        else:
+            paths[rel].unlink(missing_ok=True)
     for rel, data in files.items():
         write_atomic(paths[rel], data)
     if marker is not None:

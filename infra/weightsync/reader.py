@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -73,9 +75,9 @@ from infra.weightsync.layout import (
     snapshot_key,
     version_dir,
 )
-from infra.weightsync.pools import Pools, settle
+from infra.weightsync.pools import Pools
 from infra.weightsync.rawbytes import dtype_from_name, tensor_bytes, word_dtype, word_width
-from infra.weightsync.reader_tensors import check_dtypes, check_have, chunk_ranges, fetched_tensors
+from infra.weightsync.reader_tensors import check_dtypes, check_have, chunk_ranges, fetched_tensors, verify_untouched
 from infra.weightsync.recovery import bad_parts, viable
 from infra.weightsync.schedule import Arrived, DecodePipeline, Range, Step, plan_ranges
 from infra.weightsync.tailstream import StreamedTail, open_manifest
@@ -114,15 +116,18 @@ class VersionReader:
         strict: bool = False,
         max_fallbacks: int = 3,
         max_bytes: int | None = None,
+        names: Collection[str] | None = None,
     ) -> None:
         """``max_bytes``: the most tensor bytes a version may declare (default: this machine's
-        memory); a manifest over it is a :class:`ManifestError`."""
+        memory); a manifest over it is a :class:`ManifestError`. ``names``: fetch only these tensors
+        (e.g. the layers one pipeline stage serves): only their frames are downloaded and decoded."""
         warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
         self.store, self.prefix = store, prefix.strip("/")
         self.threads, self.io_threads = max(1, threads), max(1, io_threads)
         self.range_bytes, self.budget_bytes = range_bytes, budget_bytes
         self.strict, self.max_fallbacks = strict, max_fallbacks
         self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
+        self.names = frozenset(names) if names is not None else None
         self._manifests: dict[int, Manifest] = {}
         self._snapshots: dict[int, Manifest] = {}  # snapshot manifests, checked against their version's
         self.last_errors: list[WeightSyncError] = []
@@ -196,6 +201,24 @@ class VersionReader:
         """What a replay from ``version`` starts with: its own manifest if it is a full version,
         else its snapshot's."""
         return self.manifest(version) if version in full else self.snapshot(version)
+
+    def _check_names(self, version: int) -> None:
+        """Raise :class:`IncompatibleTensors` when ``version`` lacks a tensor of ``names`` (the caller's
+        error, raised as it is; a manifest that cannot be read is left to the fetch's paths)."""
+        if self.names is not None:
+            try:
+                man = self.manifest(version)
+            except WeightSyncError:
+                return
+            self._view(man)
+
+    def _view(self, man: Manifest) -> Manifest:
+        """``man`` with only the tensors this reader fetches (all of them without ``names``)."""
+        if self.names is None:
+            return man
+        if missing := self.names - {t.name for t in man.tensors}:
+            raise IncompatibleTensors(f"no tensor {sorted(missing)[0]!r} in this version", version=man.version)
+        return replace(man, tensors=[t for t in man.tensors if t.name in self.names])
 
     def _next_version(self, have_version: int, probe_newer: bool) -> tuple[int | None, Future | None]:
         """``(have_version + 1, probe)`` if that version is committed, else ``(None, None)``.
@@ -301,6 +324,7 @@ class VersionReader:
         goal = int(target) if explicit else committed[-1]
         if goal not in committed:
             raise VersionNotFound(f"not committed (newest is {committed[-1]})", version=goal)
+        self._check_names(goal)
         goals = [goal]
         if allow_older and not explicit:
             goals += [v for v in reversed(committed) if v < goal]
@@ -416,8 +440,8 @@ class VersionReader:
         version's digest, every chunk no frame touched against ``goal``'s."""
         start_v = key if key is not None else have_version
         assert start_v is not None
-        start = self._start_manifest(key, full) if key is not None else self.manifest(start_v)
-        final = self.manifest(goal)
+        start = self._view(self._start_manifest(key, full) if key is not None else self.manifest(start_v))
+        final = self._view(self.manifest(goal))
         self._check_chain_layout(start, deltas)
         tensors = start.tensors
         check_dtypes(tensors, start_v)
@@ -427,7 +451,7 @@ class VersionReader:
         steps: list[Step] = []
         if key is not None:
             steps.append((key, "k", start))
-        steps += [(v, "d", self.manifest(v)) for v in deltas]
+        steps += [(v, "d", self._view(self.manifest(v))) for v in deltas]
         ranges = self._plan(steps, key is not None and key not in full)
         self.last_stats = {"bytes_read": sum(r.length for r in ranges), "versions": [s[0] for s in steps]}
         touched = [[False] * len(b) for b in bounds]
@@ -462,7 +486,7 @@ class VersionReader:
                 why = str(exc)
                 key = self._frame_key(v, man, c.k if kind == "k" else c.d)
                 if first and kind == "d":  # was the base wrong? (checked only on failure: saves a pass)
-                    base_h = self.manifest(v - 1).tensors[ti].chunks[ci].h
+                    base_h = self._view(self.manifest(v - 1)).tensors[ti].chunks[ci].h
                     if origs:
                         orig = origs[ti].view(buf.dtype)[s:e]
                         if digest(orig) != base_h:
@@ -478,7 +502,7 @@ class VersionReader:
             ranges, len(steps), partial(self._download, steps=steps), decode, self._pools.get("get", self.io_threads),
             self._pools.get("dec", self.threads), self.io_threads, self.threads, self.budget_bytes,
         ).run(prepare)
-        self._verify_untouched(touched, bounds, words, final, have_version)
+        verify_untouched(touched, bounds, words, final, have_version, self._pools.get("dec", self.threads))
         return fetched_tensors(tensors, bufs, have, inplace)
 
     def _plan(self, steps: list[Step], from_snapshot: bool) -> list[Range]:
@@ -500,7 +524,7 @@ class VersionReader:
         sig = start.signature()
         prev = start
         for v in deltas:
-            man = self.manifest(v)
+            man = self._view(self.manifest(v))
             key = manifest_key(self.prefix, v)
             if man.signature() != sig or man.chunk_bytes != start.chunk_bytes:
                 raise IncompatibleTensors("tensor layout differs from its base", version=v, key=key)
@@ -510,32 +534,6 @@ class VersionReader:
                         raise CorruptData(f"chunk {ci} has no delta frame, yet its digest differs from "
                                           f"version {prev.version}'s", version=v, tensor=t.name, key=key)
             prev = man
-
-    def _verify_untouched(self, touched: list[list[bool]], bounds: list[list[tuple[int, int]]],
-                          words: list[np.ndarray], final: Manifest, have_version: int | None) -> None:
-        """Chunks no frame touched still hold the caller's words: check them against the goal."""
-        untouched = [(ti, ci) for ti, row in enumerate(touched) for ci, done in enumerate(row) if not done]
-        if not untouched:
-            return
-
-        def check(ti: int, ci: int) -> None:
-            s, e = bounds[ti][ci]
-            if digest(words[ti][s:e]) != final.tensors[ti].chunks[ci].h:
-                raise WrongBase("the tensors given are not the claimed version", version=have_version,
-                                tensor=final.tensors[ti].name)
-
-        words_left = sum(bounds[ti][ci][1] - bounds[ti][ci][0] for ti, ci in untouched)
-        if words_left < (1 << 20):  # e.g. the norm weights an RL step leaves alone: cheaper than tasks
-            for ti, ci in untouched:
-                check(ti, ci)
-            return
-        pool = self._pools.get("dec", self.threads)
-        checks = [pool.submit(check, ti, ci) for ti, ci in untouched]
-        try:
-            for f in checks:
-                f.result()
-        finally:
-            settle(checks)
 
     def _download(self, r: Range, arrived: Arrived, steps: list[Step]) -> bytes | memoryview:
         """The bytes of range ``r`` (from the manifest object for inline frames), checked for

@@ -99,8 +99,38 @@ def test_user_errors_are_one_line_not_a_traceback(tmp_path: Path) -> None:
     assert _cli("sync", "publish", str(model), "--store", f"file://{tmp_path / 's'}", cwd=tmp_path).returncode == 0
     cases.append((["sync", "fetch", "--store", f"file://{tmp_path / 's'}", "--version", "7", "--out",
                    str(tmp_path / "o")], "version 7: not committed (newest is 1)"))
+    cases.append((["sync", "fetch", "--store", f"file://{tmp_path / 's'}", "--tensor", "t1", "--tensor", "nope",
+                   "--out", str(tmp_path / "o")], "version 1: no tensor 'nope' in this version"))
     for args, message in cases:
         res = _cli(*args, cwd=tmp_path)
         assert res.returncode == 1, (args, res.stdout, res.stderr)
         assert "error: " in res.stderr and message in res.stderr, res.stderr
         assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_fetch_of_some_tensors_writes_just_those_and_updates_incrementally(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    runner = CliRunner()
+    app = cli_app(register)
+    store = f"file://{tmp_path / 'store'}"
+    d = Drift()
+    src, out = tmp_path / "src", tmp_path / "out"
+    stage = ["layers.0.mlp.weight", "layers.0.q.weight"]  # both in the first file of the two
+    want = [a for name in stage for a in ("--tensor", name)]
+    for step in range(2):
+        _write_model(src, d.bf16())
+        assert runner.invoke(app, ["sync", "publish", str(src), "--store", store]).exit_code == 0
+        if step == 0:  # the folder held the whole version before: no file of it may stay behind
+            assert runner.invoke(app, ["sync", "fetch", "--store", store, "--out", str(out)]).exit_code == 0
+        res = runner.invoke(app, ["sync", "fetch", "--store", store, "--out", str(out), *want])
+        assert res.exit_code == 0, res.output
+        assert ("via have" in res.output) == (step == 1)  # the second fetch reads only the stage's delta
+        first = src / "model-00001-of-00002.safetensors"
+        got = load_file(str(out / first.name))
+        assert sorted(got) == stage
+        for name in stage:
+            assert torch.equal(got[name].view(torch.uint8), load_file(str(first))[name].view(torch.uint8))
+        assert not (out / "model-00002-of-00002.safetensors").exists()
+        assert (out / "config.json").read_text() == '{"model_type": "llama"}'
+        d.step()
