@@ -47,6 +47,7 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
         "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
         "sync_bytes_total": sum(h.get("sync_bytes") or 0 for h in steps),
         "sync_fraction_mean": sum(fracs) / len(fracs) if fracs else 0.0,
+        "weight_placement": cfg.weight_sync.placement,
         "loop_mode": ctx.cfg.loop.mode, "max_staleness_seen": max(stale, default=0),
         "staleness_bound": ctx.cfg.loop.max_staleness,
         "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
@@ -111,6 +112,10 @@ def write_summary(ctx: RunContext, summary: dict[str, Any]) -> Path:
     return path
 
 
+#: how the versions travelled, per ``weight_sync.placement`` (the object store's: as deltas)
+_SYNCED_AS = {"broadcast": "as whole models over the broadcast group", "colocated": "(colocated: nothing moves)"}
+
+
 def human_summary(s: dict[str, Any]) -> str:
     """A few lines for the terminal."""
     lines = [
@@ -119,7 +124,8 @@ def human_summary(s: dict[str, Any]) -> str:
         f"({s['eval_after'] - s['eval_before']:+.3f}, 95% CI {_ci(s.get('eval_gain_ci95'))}); accuracy "
         f"{s['eval_accuracy_before']:.3f} -> {s['eval_accuracy_after']:.3f} on {s.get('eval_n')} problems",
         f"  final weight version: {s['final_weight_version']}; synced {s.get('sync_bytes_total', 0) / 1e6:.2f} MB "
-        f"in deltas ({s.get('sync_fraction_mean', 0) * 100:.2f}% of full on average)",
+        f"{_SYNCED_AS.get(s.get('weight_placement', ''), 'in deltas')} "
+        f"({s.get('sync_fraction_mean', 0) * 100:.2f}% of full on average)",
         f"  model version {s['model_version']}: {'PROMOTED to champion' if s['promoted'] else 'not promoted'}"
         f" — {s.get('gate_reason', '')}",
         f"  MLflow run {s['mlflow_run_id']} at {s['tracking_uri']}",
