@@ -73,3 +73,42 @@ def test_a_version_that_cannot_be_published_stays_pending_until_it_is() -> None:
         behind.settle()
     assert behind.settle()["version"] == 5  # the store is back
     assert len(store.calls) == 4
+
+
+class _Trainer:
+    """The state :class:`~infra.train.broadcast_ops.BroadcastOps` reads on rank 0 of a one-rank group,
+    with a store that is down for the first ``down`` publishes."""
+
+    def __init__(self, down: int) -> None:
+        from types import SimpleNamespace
+
+        self.cfg = SimpleNamespace(weight_sync=SimpleNamespace(placement="broadcast"))
+        self.rank, self.world, self.down = 0, 1, down
+        self.committed: list[list[str]] = []  # the tensor names of each publish that reached the store
+
+    def _publish_tensors(self, tensors: dict[str, Any], t0: float) -> dict[str, Any]:
+        if self.down:
+            self.down -= 1
+            raise OSError("store unreachable")
+        self.committed.append(sorted(tensors))
+        return {"kind": "delta", "bytes_written": 6}
+
+
+def test_trainer_op_fails_retryably_and_the_version_is_published_on_a_later_op() -> None:
+    from infra.errors import is_retryable
+    from infra.train.broadcast_ops import BroadcastOps, PublishBehindFailed
+
+    class Trainer(_Trainer, BroadcastOps):
+        pass
+
+    import torch
+
+    trainer = Trainer(down=2)
+    rec = trainer._bc_defer(4, {"w": torch.zeros(3, dtype=torch.bfloat16)}, 0.0)
+    assert rec["kind"] == "behind" and rec["version"] == 4 and rec["bytes_written"] is None and rec["raw_bytes"] == 6
+    trainer._bc_behind.start()  # after the send; it fails on its thread, and once more in settle
+    with pytest.raises(PublishBehindFailed, match="weight version 4: OSError: store unreachable") as err:
+        trainer._bc_settle()
+    assert is_retryable(err.value) and trainer.committed == []
+    assert trainer._bc_settle() == {"kind": "delta", "bytes_written": 6}  # the next op: the store is back
+    assert trainer.committed == [["w"]] and trainer._bc_settle() is None  # nothing pending any more
