@@ -159,7 +159,10 @@ class BroadcastOps:
                 raise BroadcastFailed("no broadcast group: the rollout workers have not joined one (bind_trainer)")
             if tensors is not None:  # the sender casts into its flat bf16 buffer: the published bits
                 tensors = {n: t.detach() for n, t in tensors.items()}
-            return self._bc_sender.send(int(version), tensors, cast=torch.bfloat16)
+            sent = self._bc_sender.send(int(version), tensors, cast=torch.bfloat16)
+            if behind is not None:  # publish from the sender's buffer (untouched until the next send,
+                behind.tensors = self._bc_sender.sent_tensors()  # which waits for this publish): one copy less
+            return sent
         except BroadcastFailed:
             self._bc_close()
             raise

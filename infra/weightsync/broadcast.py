@@ -326,6 +326,13 @@ class Sender:
         return {"version": version, "held": True, "bytes": sent, "raw_bytes": sum(s.nbytes for s in slots),
                 "buckets": len(ranges), "seconds": time.perf_counter() - t0}
 
+    def sent_tensors(self) -> dict[str, "torch.Tensor"]:
+        """The tensors of the last version sent, as views of the flat buffer (no copy): valid until the
+        next :meth:`send` writes into it."""
+        if self._flat is None or self._slots is None:
+            raise BroadcastFailed("nothing was sent yet")
+        return views(self._flat, self._slots)
+
 
 _DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "uint8": 1, "int8": 1}
 

@@ -52,6 +52,7 @@ def test_receivers_get_the_bits_sent_bucket_by_bucket() -> None:
         sender = Sender(group, bucket_bytes=4096)  # ~5 buckets per version
         infos = [sender.send(1, v1), sender.send(2, v2), sender.send(3, None),
                  sender.send(4, master, cast=torch.bfloat16)]
+        kept = sender.sent_tensors()  # the last version held, as views of the sender's buffer
         got = sorted((q.get(timeout=60) for _ in range(8)), key=lambda m: (m[1], m[2][0]))
     finally:
         _stop(rv, group, procs)
@@ -64,6 +65,7 @@ def test_receivers_get_the_bits_sent_bucket_by_bucket() -> None:
         assert mine[2][1] is None and mine[2][2] is False  # not held: nothing but the header
         assert mine[3][1] == fingerprint({k: t.to(torch.bfloat16) for k, t in master.items()})
     assert infos[0]["raw_bytes"] == sum(t.numel() * 2 for t in v1.values())
+    assert fingerprint(kept) == fingerprint({k: t.to(torch.bfloat16) for k, t in master.items()})
 
 
 def test_a_receiver_with_another_layout_fails_alone_and_stays_in_step() -> None:
