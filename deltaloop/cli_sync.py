@@ -3,7 +3,7 @@
     deltaloop sync publish DIR --store URI [--endpoint-url URL]      # prints version + bytes written
     deltaloop sync fetch --store URI [--version N] --out DIR         # byte-identical safetensors folder
     deltaloop sync fetch --store URI --out DIR --allow-older         # newest version that verifies
-    deltaloop sync fetch --store URI --out DIR --tensor NAME ...     # only these tensors (one stage's)
+    deltaloop sync fetch --store URI --out DIR --tensor GLOB ...     # only these tensors (one stage's)
     deltaloop sync list --store URI                                   # committed versions
     deltaloop sync gc --store URI --keep N                            # collect old versions
 
@@ -82,9 +82,10 @@ def fetch(
     strict: bool = typer.Option(False, "--strict", help="Fail on the first fault instead of recovering."),
     allow_older: bool = typer.Option(False, "--allow-older", help="Without --version: if the newest version "
                                      "does not verify, fetch the newest one that does (stdout says which)."),
-    tensor: Optional[List[str]] = typer.Option(None, "--tensor", help="Fetch only this tensor (repeatable; "
-                                               "e.g. the layers one pipeline stage serves): only its frames "
-                                               "are downloaded, and OUT holds just these tensors."),
+    tensor: Optional[List[str]] = typer.Option(None, "--tensor", help="Fetch only the tensors this name or "
+                                               "glob matches (repeatable; e.g. 'model.layers.1[0-9].*', the "
+                                               "layers one pipeline stage serves): only their frames are "
+                                               "downloaded, and OUT holds just these tensors."),
 ) -> None:
     """Fetch a version into OUT as a safetensors folder identical to the one published (with --tensor,
     the same files holding only the tensors named)."""
@@ -106,7 +107,7 @@ def fetch(
     # the one ``error:`` line: its log records would only repeat them
     logging.getLogger("infra.weightsync.reader").setLevel(logging.ERROR)
     st = _open(store, endpoint_url)
-    names = sorted(set(tensor)) if tensor else None
+    names = _matching(st, prefix, tensor or [], version)
     rd = VersionReader(st, prefix, threads=threads, strict=strict, names=names)
     have = have_version = None
     mark = read_marker(out)
@@ -135,6 +136,33 @@ def fetch(
         why = next((str(e) for e in rd.last_errors if e.version is not None and e.version > v), "")
         typer.echo(f"older than asked: the newest committed version {newest} does not verify ({why}); "
                    f"version {v} is the newest that does")
+
+
+def _matching(st: "ObjectStore", prefix: str, patterns: list[str], version: int | None) -> list[str] | None:
+    """The names of the tensors of ``version`` (default: the newest) that ``patterns`` match (names or
+    ``fnmatch`` globs; each must match one, else :class:`IncompatibleTensors`); None without patterns.
+    When that manifest cannot be read, the patterns are taken as names and the fetch reports the fault."""
+    from fnmatch import fnmatchcase
+
+    from infra.weightsync import IncompatibleTensors, VersionReader, WeightSyncError
+
+    if not patterns:
+        return None
+    rd = VersionReader(st, prefix)
+    target = version if version is not None else rd.latest()
+    try:
+        names = [t.name for t in rd.manifest(target).tensors] if target is not None else None
+    except WeightSyncError:
+        names = None
+    if names is None:
+        return sorted(set(patterns))
+    picked: set[str] = set()
+    for pattern in patterns:
+        hits = [n for n in names if fnmatchcase(n, pattern)]
+        if not hits:
+            raise IncompatibleTensors(f"no tensor matches {pattern!r}", version=target)
+        picked.update(hits)
+    return sorted(picked)
 
 
 @sync_app.command("list")
