@@ -4,8 +4,9 @@ Under ``weight_sync.placement: broadcast`` the rollout worker receives each vers
 rank 0 as a collective; the object store's copy of it is for durability (checkpoints and resume,
 ``deltaloop sync fetch``, a replaced worker, the fallback when the group breaks), not for the
 worker's next rollout. So rank 0 keeps the version's bf16 tensors after the train step
-(:class:`PublishBehind`), sends them first, and encodes and uploads them on a thread of their own
-while the next rollout batch is generated and scored. Time from "trainer has the new weights" to
+(:class:`PublishBehind`), sends them first, and then encodes and uploads them (read from the
+sender's buffer once sent: :meth:`infra.weightsync.broadcast.Sender.sent_tensors`) on a thread of
+their own while the next rollout batch is generated and scored. Time from "trainer has the new weights" to
 "worker serves them" is then the broadcast alone.
 
 Nothing may observe the store without the version once the trainer moves on: every trainer op
