@@ -8,7 +8,8 @@
     deltaloop sync gc --store URI --keep N                            # collect old versions
 
 Useful on its own for moving checkpoints between clusters: a fetch into a folder that a previous
-fetch wrote downloads only the deltas since.
+fetch wrote downloads only the deltas since; a download of 64 MB or more prints its progress on
+stderr once a second.
 
 A fetch never hands back other weights than the ones asked for without saying so: without
 ``--version`` it fetches the newest committed version, and if that does not verify it exits 1
@@ -19,6 +20,8 @@ why the newer one was not.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
@@ -118,7 +121,8 @@ def fetch(
         except (OSError, ValueError, KeyError):
             have = have_version = None
     try:
-        tensors, v = rd.fetch(version, have=have, have_version=have_version, allow_older=allow_older)
+        tensors, v = rd.fetch(version, have=have, have_version=have_version, allow_older=allow_older,
+                              progress=Progress())
     except WeightSyncError as exc:
         if version is not None or allow_older or (names and isinstance(exc, IncompatibleTensors)):
             raise
@@ -136,6 +140,23 @@ def fetch(
         why = next((str(e) for e in rd.last_errors if e.version is not None and e.version > v), "")
         typer.echo(f"older than asked: the newest committed version {newest} does not verify ({why}); "
                    f"version {v} is the newest that does")
+
+
+class Progress:
+    """A fetch's progress on stderr (``fetched X of Y MB (P%)``): at most once per ``every_s`` and when
+    the download ends, for downloads of ``min_bytes`` or more (smaller ones stay quiet)."""
+
+    def __init__(self, every_s: float = 1.0, min_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic,
+                 echo: Callable[[str], object] = lambda line: typer.echo(line, err=True)) -> None:
+        self.every_s, self.min_bytes, self.clock, self.echo = every_s, min_bytes, clock, echo
+        self.last = float("-inf")
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if total < self.min_bytes or (done < total and now - self.last < self.every_s):
+            return
+        self.last = now
+        self.echo(f"fetched {done / 1e6:.1f} of {total / 1e6:.1f} MB ({100 * done / total:.0f}%)")
 
 
 def _matching(st: "ObjectStore", prefix: str, patterns: list[str], version: int | None) -> list[str] | None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -79,7 +79,7 @@ from infra.weightsync.pools import Pools
 from infra.weightsync.rawbytes import dtype_from_name, tensor_bytes, word_dtype, word_width
 from infra.weightsync.reader_tensors import check_dtypes, check_have, chunk_ranges, fetched_tensors, verify_untouched
 from infra.weightsync.recovery import bad_parts, viable
-from infra.weightsync.schedule import Arrived, DecodePipeline, Range, Step, plan_ranges
+from infra.weightsync.schedule import Arrived, Decode, DecodePipeline, Range, Step, counting, plan_ranges
 from infra.weightsync.tailstream import StreamedTail, open_manifest
 from infra.weightsync.validate import default_max_bytes
 from infra.weightsync.warmup import warm_up
@@ -128,6 +128,7 @@ class VersionReader:
         self.strict, self.max_fallbacks = strict, max_fallbacks
         self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         self.names = frozenset(names) if names is not None else None
+        self._progress: Callable[[int, int], None] | None = None  # of the fetch under way
         self._manifests: dict[int, Manifest] = {}
         self._snapshots: dict[int, Manifest] = {}  # snapshot manifests, checked against their version's
         self.last_errors: list[WeightSyncError] = []
@@ -277,6 +278,7 @@ class VersionReader:
         *,
         inplace: bool = False,
         allow_older: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> tuple[dict[str, "torch.Tensor"], int]:
         """Return ``(tensors, version)`` for ``target`` (default: the newest committed version).
 
@@ -285,11 +287,16 @@ class VersionReader:
         after a failed fetch it may hold a mix of versions and must not be passed as ``have`` again).
         When no path reaches the version asked for, the first fault is raised (naming version and
         object), unless ``allow_older`` and no ``target``: then the newest older version that
-        verifies is returned (see :meth:`_fetch`). Python's cyclic garbage collector is held off
-        meanwhile (:func:`infra.gcpause.deferred_gc`).
+        verifies is returned (see :meth:`_fetch`). ``progress(bytes done, bytes in all)`` hears of each
+        downloaded range of the replay under way (a path tried after a failed one starts again at 0).
+        Python's cyclic garbage collector is held off meanwhile (:func:`infra.gcpause.deferred_gc`).
         """
-        with deferred_gc():
-            return self._fetch(target, have, have_version, inplace, allow_older)
+        self._progress = progress
+        try:
+            with deferred_gc():
+                return self._fetch(target, have, have_version, inplace, allow_older)
+        finally:
+            self._progress = None
 
     def _fetch(
         self,
@@ -498,12 +505,17 @@ class VersionReader:
                 raise CorruptData(f"chunk {ci} ({kind} frame): {why}", version=v, tensor=t.name, key=key) from exc
             touched[ti][ci] = True
 
-        DecodePipeline(
-            ranges, len(steps), partial(self._download, steps=steps), decode, self._pools.get("get", self.io_threads),
-            self._pools.get("dec", self.threads), self.io_threads, self.threads, self.budget_bytes,
-        ).run(prepare)
+        self._pipeline(ranges, steps, decode).run(prepare)
         verify_untouched(touched, bounds, words, final, have_version, self._pools.get("dec", self.threads))
         return fetched_tensors(tensors, bufs, have, inplace)
+
+    def _pipeline(self, ranges: list[Range], steps: list[Step], decode: Decode) -> DecodePipeline:
+        """The downloads and decodes of one replay (its bytes counted for the fetch's ``progress``)."""
+        download = partial(self._download, steps=steps)
+        if self._progress is not None:
+            download = counting(download, sum(r.length for r in ranges), self._progress)
+        return DecodePipeline(ranges, len(steps), download, decode, self._pools.get("get", self.io_threads),
+                              self._pools.get("dec", self.threads), self.io_threads, self.threads, self.budget_bytes)
 
     def _plan(self, steps: list[Step], from_snapshot: bool) -> list[Range]:
         """:func:`plan_ranges` of ``steps``; its fault (a keyframe manifest without a chunk's

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from queue import SimpleQueue
+from threading import Lock
 from typing import Callable
 
 from infra.weightsync.errors import CorruptData, WeightSyncError
@@ -38,6 +39,23 @@ from infra.weightsync.tailstream import StreamedTail
 Step = tuple[int, str, Manifest]  # (version, "k" keyframe frames | "d" delta frames, its manifest)
 Decode = Callable[[int, int, int, memoryview], None]  # (step, tensor, chunk, frame bytes)
 Arrived = Callable[[int, memoryview], None]  # (bytes of the range in so far, the buffer holding them)
+Download = Callable[["Range", Arrived], "bytes | memoryview"]
+
+
+def counting(download: Download, total: int, report: Callable[[int, int], None]) -> Download:
+    """``download`` that calls ``report(bytes done, total)`` after each range it returns (from
+    whichever thread downloaded it; the calls are serialised, and the counts only grow)."""
+    lock = Lock()
+    done = [0]
+
+    def counted(r: Range, arrived: Arrived) -> bytes | memoryview:
+        data = download(r, arrived)
+        with lock:
+            done[0] += r.length
+            report(done[0], total)
+        return data
+
+    return counted
 
 
 @dataclass
@@ -95,7 +113,7 @@ class DecodePipeline:
     downloads run at once; a range's frames go to the decoders in tasks of up to 1/(4 * ``threads``)
     of them."""
 
-    def __init__(self, ranges: list[Range], nsteps: int, download: Callable[[Range, Arrived], bytes | memoryview],
+    def __init__(self, ranges: list[Range], nsteps: int, download: Download,
                  decode: Decode,
                  io: ThreadPoolExecutor, cpu: ThreadPoolExecutor, io_threads: int, threads: int,
                  budget_bytes: int) -> None:

@@ -134,3 +134,21 @@ def test_fetch_of_some_tensors_writes_just_those_and_updates_incrementally(tmp_p
         assert not (out / "model-00002-of-00002.safetensors").exists()
         assert (out / "config.json").read_text() == '{"model_type": "llama"}'
         d.step()
+
+
+def test_fetch_progress_is_quiet_for_small_downloads_and_once_a_second_for_big_ones() -> None:
+    from deltaloop.cli_sync import Progress
+
+    now = [0.0]
+    lines: list[str] = []
+    small = Progress(clock=lambda: now[0], echo=lines.append)
+    small(10 << 20, 10 << 20)
+    assert lines == []  # under 64 MB: nothing
+    big = Progress(clock=lambda: now[0], echo=lines.append)
+    total = 200_000_000
+    for i, t in enumerate((0.0, 0.3, 0.9, 1.2, 1.5)):
+        now[0] = t
+        big((i + 1) * 20_000_000, total)
+    big(total, total)  # the end is always said
+    assert lines == ["fetched 20.0 of 200.0 MB (10%)", "fetched 80.0 of 200.0 MB (40%)",
+                     "fetched 200.0 of 200.0 MB (100%)"]

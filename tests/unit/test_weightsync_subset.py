@@ -1,7 +1,8 @@
 """A reader that fetches only some tensors (``VersionReader(names=...)``, e.g. the layers one
 pipeline stage serves): it downloads only their frames, hands back exactly those tensors bit-exact
 on every path (a full version, a snapshot and the deltas after it, its own tensors one version
-behind), and refuses a name the version does not have."""
+behind), and refuses a name the version does not have. And a fetch's ``progress`` callback: it
+hears every byte of the replay, in order."""
 
 from __future__ import annotations
 
@@ -63,3 +64,17 @@ def test_a_name_the_version_lacks_is_refused(tmp_path: Path) -> None:
     store, _states = _published(tmp_path, 2)
     with pytest.raises(IncompatibleTensors, match="no tensor 'layers.9.q.weight'"):
         VersionReader(store, PREFIX, names={*STAGE, "layers.9.q.weight"}).fetch()
+
+
+def test_progress_counts_every_byte_of_the_replay(tmp_path: Path) -> None:
+    store, states = _published(tmp_path, 5)
+    heard: list[tuple[int, int]] = []
+    rd = VersionReader(store, PREFIX, io_threads=4)
+    got, v = rd.fetch(progress=lambda done, total: heard.append((done, total)))  # snapshot 3 + deltas 4, 5
+    assert v == 5 and same(got, states[4])
+    assert len(heard) > 1 and [d for d, _t in heard] == sorted(d for d, _t in heard)
+    assert heard[-1] == (rd.last_stats["bytes_read"], rd.last_stats["bytes_read"])
+    assert {t for _d, t in heard} == {rd.last_stats["bytes_read"]}
+    n = len(heard)
+    rd.fetch(target=4)  # no progress asked: nothing more heard
+    assert len(heard) == n
