@@ -29,6 +29,7 @@ import typer
 
 if TYPE_CHECKING:
     from infra.storage import ObjectStore
+    from infra.weightsync import VersionReader
 
 sync_app = typer.Typer(help="Publish/fetch safetensors checkpoints as versioned keyframes + deltas.",
                        no_args_is_help=True)
@@ -110,8 +111,9 @@ def fetch(
     # the one ``error:`` line: its log records would only repeat them
     logging.getLogger("infra.weightsync.reader").setLevel(logging.ERROR)
     st = _open(store, endpoint_url)
-    names = _matching(st, prefix, tensor or [], version)
-    rd = VersionReader(st, prefix, threads=threads, strict=strict, names=names)
+    rd = VersionReader(st, prefix, threads=threads, strict=strict)
+    names = _matching(rd, tensor or [], version)
+    rd.names = frozenset(names) if names is not None else None
     have = have_version = None
     mark = read_marker(out)
     if mark and mark.get("store") == st.uri and mark.get("prefix") == prefix and mark.get("tensors") == names:
@@ -159,17 +161,17 @@ class Progress:
         self.echo(f"fetched {done / 1e6:.1f} of {total / 1e6:.1f} MB ({100 * done / total:.0f}%)")
 
 
-def _matching(st: "ObjectStore", prefix: str, patterns: list[str], version: int | None) -> list[str] | None:
+def _matching(rd: "VersionReader", patterns: list[str], version: int | None) -> list[str] | None:
     """The names of the tensors of ``version`` (default: the newest) that ``patterns`` match (names or
-    ``fnmatch`` globs; each must match one, else :class:`IncompatibleTensors`); None without patterns.
-    When that manifest cannot be read, the patterns are taken as names and the fetch reports the fault."""
+    ``fnmatch`` globs; each must match one, else :class:`IncompatibleTensors`), read with ``rd``; None
+    without patterns. When that manifest cannot be read, the patterns are taken as names and the fetch
+    reports the fault."""
     from fnmatch import fnmatchcase
 
-    from infra.weightsync import IncompatibleTensors, VersionReader, WeightSyncError
+    from infra.weightsync import IncompatibleTensors, WeightSyncError
 
     if not patterns:
         return None
-    rd = VersionReader(st, prefix)
     target = version if version is not None else rd.latest()
     try:
         names = [t.name for t in rd.manifest(target).tensors] if target is not None else None
