@@ -95,14 +95,7 @@ def fetch(
     the same files holding only the tensors named)."""
     import logging
 
-    from infra.weightsync import (
-        IncompatibleTensors,
-        VersionReader,
-        WeightSyncError,
-        read_folder,
-        read_marker,
-        write_folder,
-    )
+    from infra.weightsync import VersionReader, WeightSyncError, read_folder, read_marker, write_folder
 
     if allow_older and version is not None:
         raise typer.BadParameter("--allow-older applies only without --version", param_hint="--allow-older")
@@ -126,7 +119,7 @@ def fetch(
         tensors, v = rd.fetch(version, have=have, have_version=have_version, allow_older=allow_older,
                               progress=Progress())
     except WeightSyncError as exc:
-        if version is not None or allow_older or (names and isinstance(exc, IncompatibleTensors)):
+        if version is not None or allow_older:
             raise
         raise type(exc)(f"the newest committed version {rd.latest()} does not verify: {exc} (--allow-older "
                         "fetches the newest version that does)") from None

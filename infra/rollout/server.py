@@ -152,9 +152,12 @@ class RolloutWorker:
             return {"version": got, "seconds": time.perf_counter() - started, "applied": True}
 
     def _wait_committed(self, version: int, wait_s: float) -> None:
-        """Return once ``version`` is committed in the store, or after ``wait_s`` seconds."""
-        deadline = time.monotonic() + wait_s
-        while version not in self.reader.versions() and time.monotonic() < deadline:
+        """Return once ``version`` is committed in the store (its manifest exists: one HEAD a poll, not
+        a listing of the run's weights), or after ``wait_s`` seconds."""
+        from infra.weightsync.layout import manifest_key
+
+        key, deadline = manifest_key(self.reader.prefix, version), time.monotonic() + wait_s
+        while not self.store.exists(key) and time.monotonic() < deadline:
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _apply(self, target: int, have_version: int | None) -> int:
