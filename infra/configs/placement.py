@@ -51,8 +51,26 @@ def broadcast_problems(cfg: Any) -> list[str]:
             "weight_sync.placement 'object_store' with vLLM"]
 
 
+def sharded_publish_problems(cfg: Any) -> list[str]:
+    """What in ``cfg`` ``weight_sync.publish_ranks > 1`` cannot run with (empty when it is 1)."""
+    ranks = cfg.weight_sync.publish_ranks
+    if ranks == 1:
+        return []
+    where = f"weight_sync.publish_ranks={ranks} publishes each version from several trainer ranks"
+    out = []
+    if cfg.weight_sync.placement != "object_store":
+        out.append(f"weight_sync.placement={cfg.weight_sync.placement!r}: {where}, into the object store only "
+                   "(use placement object_store, or publish_ranks 1)")
+    if ranks > cfg.cluster.ranks:
+        out.append(f"cluster.ranks={cfg.cluster.ranks}: {where}, at most one part per trainer rank")
+    if cfg.trainer.lora.enabled:
+        out.append(f"trainer.lora.enabled=true: {where}; LoRA publishes its small adapters from rank 0 "
+                   "(use publish_ranks 1)")
+    return out
+
+
 def check_placement(cfg: Any) -> None:
     """Raise ``ValueError`` listing every problem of the placement (pydantic reports it as a config error)."""
-    problems = broadcast_problems(cfg) + colocated_problems(cfg)
+    problems = broadcast_problems(cfg) + colocated_problems(cfg) + sharded_publish_problems(cfg)
     if problems:
         raise ValueError("; ".join(problems))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +135,7 @@ class DeepSpeedEngine:
         base = getattr(self.optimizer, "optimizer", self.optimizer)
         base.state.clear()
 
-    def full_params(self) -> "dict[str, torch.Tensor] | None":
+    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -144,9 +145,12 @@ class DeepSpeedEngine:
             if t is None:  # frozen (LoRA base) or not managed by the optimizer
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                     t = p.detach().float().clone()
-            if self.rank == 0:
+            if (self.rank == 0) if keep is None else keep(name):
                 out[name] = t.detach().to("cpu")
-        return out if self.rank == 0 else None
+        return out if self.rank == 0 or keep is not None else None
+
+    def param_numels(self) -> dict[str, int]:
+        return {n: int(getattr(p, "ds_numel", p.numel())) for n, p in self.engine.module.named_parameters()}
 
     def save(self, folder: Path) -> None:
         self.engine.save_checkpoint(str(folder), tag=_TAG, save_latest=False)

@@ -20,6 +20,7 @@ Gradients are *averaged* over ranks by every engine; the GRPO loss is normalised
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,7 +43,14 @@ class TrainEngine(Protocol):
     def backward(self, loss: "torch.Tensor") -> None: ...
     def step(self) -> float: ...
     def reset_optimizer(self) -> None: ...
-    def full_params(self) -> "dict[str, torch.Tensor] | None": ...
+    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
+        """Collective: every parameter whole, on rank 0 (None elsewhere); with ``keep``, on every
+        rank the parameters ``keep(name)`` accepts (a sharded publish: infra/train/sharded_publish.py)."""
+        ...
+
+    def param_numels(self) -> dict[str, int]:
+        """Every parameter's name and whole element count, in module order (no communication)."""
+        ...
     def save(self, folder: Path) -> None: ...
     def load(self, folder: Path) -> None: ...
 
@@ -95,10 +103,13 @@ class TorchEngine:
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()
 
-    def full_params(self) -> "dict[str, torch.Tensor] | None":
-        if self.rank != 0:
+    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
+        if keep is None and self.rank != 0:
             return None
-        return {n: p.detach() for n, p in self.module.named_parameters()}
+        return {n: p.detach() for n, p in self.module.named_parameters() if keep is None or keep(n)}
+
+    def param_numels(self) -> dict[str, int]:
+        return {n: p.numel() for n, p in self.module.named_parameters()}
 
     def save(self, folder: Path) -> None:
         import torch

@@ -12,6 +12,7 @@ state and loads them back into the same sharding (restoring needs the same numbe
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,13 +66,16 @@ class FSDPEngine:
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()
 
-    def full_params(self) -> "dict[str, torch.Tensor] | None":
+    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
         out = {}
         for name, p in self.module.named_parameters():  # all-gather: every rank takes part
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            if self.rank == 0:
+            if (self.rank == 0) if keep is None else keep(name):
                 out[name] = full.detach().float().cpu()
-        return out if self.rank == 0 else None
+        return out if self.rank == 0 or keep is not None else None
+
+    def param_numels(self) -> dict[str, int]:
+        return {n: p.numel() for n, p in self.module.named_parameters()}  # a DTensor's is the whole
 
     def save(self, folder: Path) -> None:
         import torch

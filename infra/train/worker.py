@@ -27,6 +27,7 @@ import json
 import os
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +81,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         self.tokenizer: Any = None
         self.ref_model: torch.nn.Module | None = None
         self.engine: Any = None
-        self.publisher: Any = None
+        self.publisher: Any = None  # rank 0's VersionPublisher, or every rank's ShardedPublish (publish_ranks > 1)
 
     # --------------------------------------------------------------------------------- init
     def op_init(self) -> dict[str, Any]:
@@ -155,9 +156,10 @@ class Trainer(BroadcastOps, ColocatedOps):
         return full
 
     # --------------------------------------------------------------------------------- publish
-    def _publishable(self) -> dict[str, torch.Tensor] | None:
-        """Collective: the tensors to publish (rank 0), bf16; adapters only with LoRA."""
-        full = self.engine.full_params()
+    def _publishable(self, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor] | None:
+        """Collective: the tensors to publish (rank 0; with ``keep``, those it accepts on every rank),
+        bf16; adapters only with LoRA."""
+        full = self.engine.full_params(keep)
         if full is None:
             return None
         lcfg = self.cfg.trainer.lora
@@ -177,15 +179,20 @@ class Trainer(BroadcastOps, ColocatedOps):
         self._bc_settle()
         t0 = time.perf_counter()
         target = self.weights_version + 1
-        exists = [False]
-        if self.rank == 0:
-            exists[0] = target <= self._open_publisher().version
-        if self.world > 1:
-            dist.broadcast_object_list(exists, src=0)
+        sharded = self.cfg.weight_sync.publish_ranks > 1
+        newest = [self._open_sharded().version if sharded else None]  # (a collective)
+        if self.rank == 0 and not sharded:
+            newest[0] = self._open_publisher().version
+        if self.world > 1 and not sharded:
+            dist.broadcast_object_list(newest, src=0)
         self.weights_version = target
-        if exists[0]:
+        if target <= newest[0]:
             return {"version": target, "kind": "existing", "bytes_written": 0, "raw_bytes": 0, "seconds": 0.0,
                     "changed_fraction": None}
+        if sharded:
+            if newest[0] != target - 1:
+                raise RuntimeError(f"the store's newest version is {newest[0]}, cannot publish {target}")
+            return self.publisher.publish(self._publishable(keep=self.publisher.keeps))
         tensors = self._publishable()
         if self.rank != 0:
             return {}
@@ -216,6 +223,15 @@ class Trainer(BroadcastOps, ColocatedOps):
                                               **ws.publisher_kwargs())
         return self.publisher
 
+    def _open_sharded(self) -> Any:
+        """Collective: every rank's :class:`~infra.train.sharded_publish.ShardedPublish`, made on first use."""
+        from infra.train.sharded_publish import ShardedPublish
+
+        if self.publisher is None:
+            self.publisher = ShardedPublish(self.store, run_key(self.run_id, None, "weights"), self.cfg.weight_sync,
+                                            self.rank, self.world, self.engine.param_numels())
+        return self.publisher
+
     def op_publish(self) -> dict[str, Any]:
         """Publish the current weights as the next version (rank 0 writes; others take part in gathers)."""
         return self._publish_next()
@@ -229,6 +245,10 @@ class Trainer(BroadcastOps, ColocatedOps):
             raise ValueError(f"cannot republish weight version {version}: the trainer holds version "
                              f"{self.weights_version}")
         t0 = time.perf_counter()
+        if self.cfg.weight_sync.publish_ranks > 1:
+            if self._open_sharded().version != version:
+                raise ValueError(f"cannot republish weight version {version}: it is not the newest published")
+            return self.publisher.republish(self._publishable(keep=self.publisher.keeps))
         tensors = self._publishable()
         if self.rank != 0:
             return {}
@@ -271,6 +291,8 @@ class Trainer(BroadcastOps, ColocatedOps):
         manifest = checkpoint.restore(self.store, self.run_id, int(box[0]), self.engine, self.rank, self.world)
         self.step = int(manifest["step"])
         self.weights_version = int(manifest["weights_version"])
+        if self.publisher is not None:  # its snapshot in flight is abandoned: a new one continues from the store
+            self.publisher.close()
         self.publisher = None  # rebuilt from the store on the next publish
         return {"step": self.step, "weights_version": self.weights_version}
 

@@ -65,7 +65,7 @@ TAIL_SHARD = "@manifest"  # shard name of the delta frames carried inside the ma
 _TAIL_MAGIC = b"DLM2"
 _TAIL_LEN = struct.Struct("<I")
 _VERSION_RE = re.compile(r"(?:^|/)v(\d{8})/(" + "|".join(map(re.escape, (MANIFEST, KEYFRAME_MARK, SNAPSHOT)))
-                         + r"|" + SNAPSHOT_TAG + r"-\d+\.bin)$")
+                         + r"|" + SNAPSHOT_TAG + r"-(?:p\d+-)?(?:\d+\.bin|manifest\.zst))$")
 
 
 def chunk_bounds(nwords: int, width: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -90,6 +90,17 @@ def manifest_key(prefix: str, version: int) -> str:
 def snapshot_key(prefix: str, version: int) -> str:
     """``P/v00000007/snapshot.json.zst``: the object whose existence commits the snapshot of a version."""
     return f"{version_dir(prefix, version)}/{SNAPSHOT}"
+
+
+def part_infix(part: int) -> str:
+    """The shard-name infix of part ``part`` of a sharded publish: ``-p003`` (``k-p003-0000.bin``)."""
+    return f"-p{part:03d}"
+
+
+def fragment_key(prefix: str, version: int, infix: str) -> str:
+    """``P/v00000007/s-p003-manifest.zst``: one part's share of a snapshot of a sharded publish, written
+    after that part's snapshot shards; the snapshot commits when its manifest merges every part's."""
+    return f"{version_dir(prefix, version)}/{SNAPSHOT_TAG}{infix}-manifest.zst"
 
 
 def files_key(prefix: str, digest: str) -> str:

@@ -68,6 +68,7 @@ from infra.weightsync.layout import (
     SNAPSHOT_TAG,
     TAIL_SHARD,
     ChunkEntry,
+    Listing,
     Manifest,
     TensorEntry,
     chunk_bounds,
@@ -135,6 +136,7 @@ class VersionPublisher:
         delta_shard_bytes: int = DEFAULT_DELTA_SHARD_BYTES,
         io_threads: int = 4,
         keep_versions: int = 0,
+        part: str = "",
     ) -> None:
         warm_up()  # compile/load the codec kernels now, not inside a timed publish/fetch
         if not snapshot_chain_fraction >= 0:
@@ -146,6 +148,7 @@ class VersionPublisher:
         self.threads, self.chunk_bytes, self.shard_bytes = max(1, threads), chunk_bytes, shard_bytes
         self.delta_shard_bytes = delta_shard_bytes
         self.io_threads, self.keep_versions = max(1, io_threads), keep_versions
+        self.part = part  # shard-name infix of one part of a sharded publish ("" when alone: parts.py)
         self._base: dict[str, np.ndarray] | None = None  # name -> private copy of words
         self._sig: list[tuple[str, str, tuple[int, ...]]] = []
         self._digests: dict[str, list[str]] = {}
@@ -153,23 +156,22 @@ class VersionPublisher:
         self._meta: dict[str, Any] = {}  # the newest version's meta (its snapshot carries it too)
         self._hot = HotWords()  # hot-word lists of the base's chunks, kept across versions
         self._pools = Pools(self)  # encode and upload threads, made once
-        self._lane = SnapshotLane(self.store, self.prefix, chunk_bytes, shard_bytes, zstd_level)
+        self._lane = SnapshotLane(self.store, self.prefix, chunk_bytes, shard_bytes, zstd_level, part=part)
         self._start = 0  # newest start (committed snapshot or full version); 0: none known
         self._start_bytes = 0  # its frame bytes: the size of a snapshot
         self._chain: list[tuple[int, int]] = []  # (version, bytes) of the deltas after it
         self._want_snapshot = False  # a snapshot was asked for while another was in flight
         listing = scan_versions(store.list(self.prefix + "/"))
         self.version = listing.committed[-1] if listing.committed else 0
-        for orphan in sorted(v for v in listing.seen if v > self.version):  # left by a killed publisher
-            for key in store.list(version_dir(self.prefix, orphan) + "/"):
-                store.delete(key)
-        for v in sorted(listing.partial & set(listing.committed)):  # a snapshot a killed publisher left
-            _delete_snapshot_objects(store, self.prefix, v)
+        if not part:
+            clean_orphans(store, self.prefix, listing)
         if self.version:
             self._resume(listing.starts)
 
-    def _resume(self, starts: set[int]) -> None:
-        reader = VersionReader(self.store, self.prefix, threads=self.threads)
+    def _resume(self, starts: set[int], names: list[str] | None = None) -> None:
+        """Read the newest committed version back as the base (only ``names`` of it, in that order,
+        for one part of a sharded publish) and the snapshot cadence's state."""
+        reader = VersionReader(self.store, self.prefix, threads=self.threads, names=names)
         try:
             tensors, v = reader.fetch(self.version)
             man = reader.manifest(v)
@@ -179,9 +181,11 @@ class VersionPublisher:
         if man.chunk_bytes != self.chunk_bytes:
             log.info("version %d used chunk_bytes %d; next version is full", v, man.chunk_bytes)
             return
-        self._base = {k: tensor_words(t).copy() for k, t in tensors.items()}
-        self._sig = man.signature()
-        self._digests = {t.name: [c.h for c in t.chunks] for t in man.tensors}
+        order = names if names is not None else [t.name for t in man.tensors]
+        entries = {t.name: t for t in man.tensors}
+        self._base = {k: tensor_words(tensors[k]).copy() for k in order}
+        self._sig = [(k, entries[k].dtype, tuple(entries[k].shape)) for k in order]
+        self._digests = {k: [c.h for c in entries[k].chunks] for k in order}
         self._files = dict(man.files)
         self._meta = dict(man.meta)
         self._restore_chain(reader, starts)
@@ -404,8 +408,8 @@ class VersionPublisher:
         window: deque[tuple[list, Future]] = deque()  # encode tasks in flight
         io = self._pools.get("io", self.io_threads)
         try:
-            kshards = Shards(self.store, vdir, "k", self.shard_bytes, io, pending)
-            dshards = Shards(self.store, vdir, "d", self.delta_shard_bytes, io, pending)
+            kshards = Shards(self.store, vdir, "k" + self.part, self.shard_bytes, io, pending)
+            dshards = Shards(self.store, vdir, "d" + self.part, self.delta_shard_bytes, io, pending)
             new_base = base if base is not None else {n: np.empty_like(words[n]) for n in names}
             entries, changed, total = self._encode(names, words, base, new_base, is_key, window, kshards, dshards,
                                                    pending)
@@ -415,17 +419,15 @@ class VersionPublisher:
                 pending.append(io.submit(self.store.put, f"{vdir}/{KEYFRAME_MARK}", b""))
             file_digests, file_bytes = self._put_files(files or {})
             # the manifest is built while the last shards upload; it is written after they all are
-            man = self._manifest(version, is_key, base is not None, names, sig, tensors, entries, kshards.sizes,
-                                 dshards.names, dshards.sizes, file_digests, meta, tail)
-            blob = man.to_bytes()
+            man = self._manifest(version, is_key, base is not None, names, sig, tensors, entries, kshards,
+                                 dshards, file_digests, meta, tail)
             while pending:
                 pending.popleft().result()
             written = kshards.written + dshards.written + file_bytes
         except BaseException:
             settle([f for _, f in window] + list(pending))  # nothing may still write to new_base
             raise
-        self.store.put(manifest_key(self.prefix, version), blob)  # commit point
-        written += len(blob)
+        written += self._commit(man)
         self.version = version
         self._sig = sig
         self._digests = {n: [c.h for c in entries[n]] for n in names}
@@ -517,24 +519,22 @@ class VersionPublisher:
         sig: list[tuple[str, str, tuple[int, ...]]],
         tensors: dict[str, "torch.Tensor"],
         entries: dict[str, list[ChunkEntry]],
-        key_sizes: list[int],
-        delta_shards: list[str],
-        delta_sizes: list[int],
+        kshards: Shards,
+        dshards: Shards,
         file_digests: dict[str, str],
         meta: dict[str, Any] | None,
         tail: bytes,
     ) -> Manifest:
         """The manifest of ``version``: keyframe shards first, then delta shards, whose indices in
         ``entries`` (per kind) are shifted to index the manifest's one list of shards."""
-        key_shards = len(key_sizes)
-        shard_names = [f"k-{i:04d}.bin" for i in range(key_shards)]
+        key_shards = len(kshards.names)
         man = Manifest(
             version=version,
             keyframe=is_key,
             base=(version - 1) if has_base else None,
             chunk_bytes=self.chunk_bytes,
-            shards=shard_names + delta_shards,
-            shard_sizes=key_sizes + delta_sizes,
+            shards=kshards.names + dshards.names,
+            shard_sizes=kshards.sizes + dshards.sizes,
             tensors=[
                 TensorEntry(n, s[1], list(s[2]), int(tensors[n].element_size() * tensors[n].numel()),
                             tensor_digest(n, s[1], list(s[2]), [c.h for c in entries[n]]), entries[n])
@@ -550,6 +550,13 @@ class VersionPublisher:
                     c.d = [c.d[0] + key_shards, *c.d[1:]]
         return man
 
+    def _commit(self, man: Manifest) -> int:
+        """Write the manifest of a version whose every shard is durable (the commit point); returns
+        its bytes. (A part of a sharded publish hands it to the committer instead: parts.py.)"""
+        blob = man.to_bytes()
+        self.store.put(manifest_key(self.prefix, man.version), blob)
+        return len(blob)
+
     def _put_files(self, files: dict[str, bytes]) -> tuple[dict[str, str], int]:
         out: dict[str, str] = {}
         written = 0
@@ -560,6 +567,17 @@ class VersionPublisher:
                 written += len(data)
             out[name] = h
         return out, written
+
+
+def clean_orphans(store: "ObjectStore", prefix: str, listing: Listing) -> None:
+    """Delete what killed publishers left: version folders above the newest committed version, and
+    the shards of snapshots that never committed."""
+    newest = listing.committed[-1] if listing.committed else 0
+    for orphan in sorted(v for v in listing.seen if v > newest):
+        for key in store.list(version_dir(prefix, orphan) + "/"):
+            store.delete(key)
+    for v in sorted(listing.partial & set(listing.committed)):
+        _delete_snapshot_objects(store, prefix, v)
 
 
 def _delete_snapshot_objects(store: "ObjectStore", prefix: str, version: int) -> None:

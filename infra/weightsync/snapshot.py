@@ -49,6 +49,7 @@ from infra.weightsync.layout import (
     Manifest,
     TensorEntry,
     chunk_bounds,
+    fragment_key,
     snapshot_key,
     tensor_digest,
     version_dir,
@@ -90,8 +91,9 @@ class _Abandoned(DeltaloopError):
 class SnapshotLane:
     """One snapshot at a time, on a background thread, below the publisher's deltas (module docstring)."""
 
-    def __init__(self, store: "ObjectStore", prefix: str, chunk_bytes: int, shard_bytes: int, level: int) -> None:
-        self.store, self.prefix = store, prefix
+    def __init__(self, store: "ObjectStore", prefix: str, chunk_bytes: int, shard_bytes: int, level: int,
+                 part: str = "") -> None:
+        self.store, self.prefix, self.part = store, prefix, part  # part: see VersionPublisher
         self.chunk_bytes, self.shard_bytes, self.level = chunk_bytes, shard_bytes, level
         self._idle = threading.Event()  # set while no delta publish runs
         self._idle.set()
@@ -178,8 +180,8 @@ class SnapshotLane:
                 self._copied.set()
             with ThreadPoolExecutor(1, f"ws-snapshot-put-{job.version}") as io:
                 pending: deque[Future] = deque()
-                shards = Shards(self.store, version_dir(self.prefix, job.version), SNAPSHOT_TAG, self.shard_bytes,
-                                io, pending)
+                shards = Shards(self.store, version_dir(self.prefix, job.version), SNAPSHOT_TAG + self.part,
+                                self.shard_bytes, io, pending)
                 try:
                     man = self._encode(job, names, words, shards, pending)
                     self._gate()
@@ -193,9 +195,12 @@ class SnapshotLane:
                 del words
                 blob = man.to_bytes()
                 self._gate()
-                self.store.put(snapshot_key(self.prefix, job.version), blob)  # commit point
+                # commit point; a part's share is merged with the others' by the committer (parts.py)
+                key = fragment_key(self.prefix, job.version, self.part) if self.part else snapshot_key(
+                    self.prefix, job.version)
+                self.store.put(key, blob)
                 written += len(blob)
-            log.info("snapshot of version %d committed (%d bytes)", job.version, written)
+            log.info("snapshot%s of version %d written (%d bytes)", self.part, job.version, written)
         except _Abandoned as exc:
             error = exc
             log.info("snapshot of version %d abandoned", job.version)

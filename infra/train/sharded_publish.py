@@ -1,0 +1,107 @@
+"""Publishing each weight version from several trainer ranks: ``weight_sync.publish_ranks: P``.
+
+With ``P = 1`` (the default) rank 0 gathers every tensor and one publisher encodes and uploads the
+whole model. With ``P > 1`` the model's tensors are dealt to ranks 0..P-1 by size
+(:func:`infra.weightsync.parts.assign_parts`); each of them takes only its own tensors from the
+engine (a local read for torch replicas and ZeRO-1/2, a gather per tensor kept by its owner under
+ZeRO-3 and FSDP), and encodes and uploads them in parallel with the others; rank 0 then writes the
+one manifest that commits the version (:mod:`infra.weightsync.parts` has the protocol). Encode
+and upload scale with the publishing ranks, which on a model spread over many trainer nodes is the
+difference between one node's cores and uplink and all of theirs.
+
+Every rank calls every method here at the same point (they are collectives): the ranks agree on a
+full or a delta version (``all_gather_object`` of each part's ``ready``), the parts' reports go to
+rank 0 (``gather_object``) and its outcome comes back (``broadcast_object_list``). A version that
+did not commit fails the op on every rank with :class:`ShardedPublishFailed` (retryable: the next
+publish is a full version of the same weights).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from infra.errors import DeltaloopError
+from infra.weightsync.parts import Outcome, PartPublisher, assign_parts
+
+if TYPE_CHECKING:
+    import torch
+
+    from infra.configs.services import WeightSyncConfig
+    from infra.storage import ObjectStore
+
+
+class ShardedPublishFailed(DeltaloopError):
+    """A part of a sharded publish failed, so the version was not committed (nothing is visible)."""
+
+    retryable = True
+
+
+class ShardedPublish:
+    """The trainer ranks' side of a sharded publish (module docstring); ranks >= P hold no part."""
+
+    def __init__(self, store: "ObjectStore", prefix: str, ws: "WeightSyncConfig", rank: int, world: int,
+                 numels: dict[str, int]) -> None:
+        self.parts = ws.publish_ranks
+        if self.parts > world:
+            raise ValueError(f"weight_sync.publish_ranks={self.parts} but the trainer has {world} ranks")
+        self.rank, self.world = rank, world
+        shares = assign_parts(numels, self.parts)
+        self.owner = {n: p for p, names in enumerate(shares) for n in names}
+        self.part = (PartPublisher(store, prefix, rank, self.parts, shares[rank], **ws.publisher_kwargs())
+                     if rank < self.parts else None)
+        dist.barrier()  # part 0 deleted what killed publishers left before any part uploads
+
+    @property
+    def version(self) -> int:
+        """The newest committed version (every part agrees: they commit together)."""
+        box = [self.part.version if self.part is not None else 0]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+
+    def keeps(self, name: str) -> bool:
+        """Whether this rank publishes tensor ``name``."""
+        return self.owner.get(name) == self.rank
+
+    def publish(self, tensors: dict[str, "torch.Tensor"], *, full: bool = False) -> dict[str, Any]:
+        """Collective: publish this rank's ``tensors`` (its share; empty on ranks >= P) as the next
+        version; returns the record of it on rank 0 (``{}`` elsewhere). Raises
+        :class:`ShardedPublishFailed` on every rank when any part failed."""
+        t0 = time.perf_counter()
+        ready = self.part.ready(tensors) if self.part is not None else True
+        flags: list[Any] = [None] * self.world
+        dist.all_gather_object(flags, ready)
+        full = full or not all(flags)
+        report = self.part.prepare(tensors, full=full) if self.part is not None else None
+        reports: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(report, reports, dst=0)
+        box: list[Any] = [None]
+        if self.rank == 0:
+            assert self.part is not None and reports is not None
+            box[0] = self.part.commit([r for r in reports if r is not None])
+        dist.broadcast_object_list(box, src=0)
+        outcome: Outcome = box[0]
+        if self.part is not None:
+            self.part.settle(outcome)
+        if not outcome.committed:
+            raise ShardedPublishFailed(f"weight version {outcome.version} not published: {outcome.error}")
+        if self.rank != 0 or outcome.info is None:
+            return {}
+        info = outcome.info
+        return {"version": info.version, "kind": info.kind, "bytes_written": info.bytes_written,
+                "raw_bytes": info.raw_bytes, "encode_seconds": info.seconds, "seconds": time.perf_counter() - t0,
+                "changed_fraction": info.changed_fraction, "parts": self.parts}
+
+    def republish(self, tensors: dict[str, "torch.Tensor"]) -> dict[str, Any]:
+        """Collective: write the newest version again, as a full version of ``tensors`` (after a
+        reader found one of its objects corrupt or missing)."""
+        if self.part is not None:
+            self.part.drop_newest()
+        return self.publish(tensors, full=True)
+
+    def close(self) -> None:
+        """Stop this rank's part (its snapshot share in flight is abandoned)."""
+        if self.part is not None:
+            self.part.close()
