@@ -19,5 +19,6 @@ BENCHMARKS: Registry[object] = Registry("benchmark", {
     "chaos": "bench.chaos:run",
     "sandbox-sim": "bench.sandbox_sim:run",
     "sync": "bench.sync:run",
+    "publish": "bench.publish:run",
     "champion": "bench.champion:run",
 })

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from infra.errors import DeltaloopError
+from infra.gcpause import deferred_gc
 from infra.weightsync.parts import Outcome, PartPublisher, assign_parts
 
 if TYPE_CHECKING:
@@ -68,7 +69,12 @@ class ShardedPublish:
     def publish(self, tensors: dict[str, "torch.Tensor"], *, full: bool = False) -> dict[str, Any]:
         """Collective: publish this rank's ``tensors`` (its share; empty on ranks >= P) as the next
         version; returns the record of it on rank 0 (``{}`` elsewhere). Raises
-        :class:`ShardedPublishFailed` on every rank when any part failed."""
+        :class:`ShardedPublishFailed` on every rank when any part failed. Python's cyclic garbage
+        collector is held off meanwhile, as one publisher's ``publish`` holds it."""
+        with deferred_gc():
+            return self._publish(tensors, full)
+
+    def _publish(self, tensors: dict[str, "torch.Tensor"], full: bool) -> dict[str, Any]:
         t0 = time.perf_counter()
         ready = self.part.ready(tensors) if self.part is not None else True
         flags: list[Any] = [None] * self.world

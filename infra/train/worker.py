@@ -192,7 +192,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         if sharded:
             if newest[0] != target - 1:
                 raise RuntimeError(f"the store's newest version is {newest[0]}, cannot publish {target}")
-            return self.publisher.publish(self._publishable(keep=self.publisher.keeps))
+            return self._timed(self.publisher.publish(self._publishable(keep=self.publisher.keeps)), t0)
         tensors = self._publishable()
         if self.rank != 0:
             return {}
@@ -223,6 +223,12 @@ class Trainer(BroadcastOps, ColocatedOps):
                                               **ws.publisher_kwargs())
         return self.publisher
 
+    @staticmethod
+    def _timed(record: dict[str, Any], t0: float) -> dict[str, Any]:
+        """A sharded publish's record (rank 0) with ``seconds`` counted from ``t0`` (gathers and cast
+        included, as rank 0's own publish counts them)."""
+        return {**record, "seconds": time.perf_counter() - t0} if record else record
+
     def _open_sharded(self) -> Any:
         """Collective: every rank's :class:`~infra.train.sharded_publish.ShardedPublish`, made on first use."""
         from infra.train.sharded_publish import ShardedPublish
@@ -248,7 +254,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         if self.cfg.weight_sync.publish_ranks > 1:
             if self._open_sharded().version != version:
                 raise ValueError(f"cannot republish weight version {version}: it is not the newest published")
-            return self.publisher.republish(self._publishable(keep=self.publisher.keeps))
+            return self._timed(self.publisher.republish(self._publishable(keep=self.publisher.keeps)), t0)
         tensors = self._publishable()
         if self.rank != 0:
             return {}

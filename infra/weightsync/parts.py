@@ -11,7 +11,9 @@ that holds them, and a version is published in two phases:
    against its own base and uploads its shards (named with the part's infix:
    ``k-p003-0000.bin``, ``d-p003-0000.bin``), and returns a :class:`PartReport` holding its share of
    the manifest (shard indices local to the part, its last partial delta shard as carried frames)
-   instead of writing a manifest. Nothing is visible yet.
+   instead of writing a manifest. Nothing is visible yet. A part carries at most
+   ``delta_shard_bytes / parts`` of frames (a larger last shard it uploads), so the merged manifest
+   object carries no more than one publisher's would, however many parts there are.
 2. **Commit** (part 0, the committer): :meth:`PartPublisher.commit` merges the shares
    (:func:`merge_parts`: the parts' shard lists concatenated with the indices shifted, their
    carried frames concatenated into the one manifest object) and writes the manifest: the version
@@ -40,17 +42,19 @@ has no collectives of its own.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from infra.gcpause import deferred_gc
 from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.gc import collect
 from infra.weightsync.layout import (
     TAIL_SHARD,
+    ChunkEntry,
     Manifest,
+    TensorEntry,
     fragment_key,
     manifest_key,
     part_infix,
@@ -137,18 +141,19 @@ def merge_parts(shares: list[Manifest]) -> Manifest:
                 index[i] = len(shards)
                 shards.append(name)
                 sizes.append(size)
+
+        def moved(loc: list | None) -> list | None:
+            if loc is None:
+                return None
+            if m.shards[loc[0]] != TAIL_SHARD:
+                return [index[loc[0]], *loc[1:]]
+            out = [-1, loc[1] + tail_off, *loc[2:]]  # the shard index is set once the tail's is known
+            carried.append(out)
+            return out
+
         for t in m.tensors:
-            t = copy.deepcopy(t)
-            for c in t.chunks:
-                for loc in (c.k, c.d):
-                    if loc is None:
-                        continue
-                    if m.shards[loc[0]] == TAIL_SHARD:
-                        loc[1] += tail_off
-                        carried.append(loc)
-                    else:
-                        loc[0] = index[loc[0]]
-            tensors.append(t)
+            chunks = [ChunkEntry(c.h, moved(c.k), moved(c.d)) for c in t.chunks]
+            tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, t.h, chunks))
         tail = bytes(m.tail)
         tails.append(tail)
         tail_off += len(tail)
@@ -179,6 +184,7 @@ class PartPublisher(VersionPublisher):
         self._snap_reports: dict[int, dict[int, str | None]] = {}  # committer: version -> part -> error
         self._snap_version: int | None = None  # committer: the snapshot the parts are writing
         super().__init__(store, prefix, part=part_infix(part), **kwargs)
+        self.carry_bytes = self.delta_shard_bytes // parts  # the merged manifest carries at most one shard's
         if part == 0:
             clean_orphans(store, self.prefix, scan_versions(store.list(self.prefix + "/")))
 
@@ -221,7 +227,8 @@ class PartPublisher(VersionPublisher):
         self._lane.wait_copied()
         self._lane.hold()
         try:
-            info = self._publish_version(tensors, files, meta, full=full)
+            with deferred_gc():
+                info = self._publish_version(tensors, files, meta, full=full)
         except Exception as exc:  # noqa: BLE001 - every part's report reaches the committer
             return PartReport(self.index, version, error=f"part {self.index}: {exc}", snapshots=self._ended())
         finally:

@@ -149,6 +149,7 @@ class VersionPublisher:
         self.delta_shard_bytes = delta_shard_bytes
         self.io_threads, self.keep_versions = max(1, io_threads), keep_versions
         self.part = part  # shard-name infix of one part of a sharded publish ("" when alone: parts.py)
+        self.carry_bytes = delta_shard_bytes  # most delta frames the manifest object carries (parts: a share)
         self._base: dict[str, np.ndarray] | None = None  # name -> private copy of words
         self._sig: list[tuple[str, str, tuple[int, ...]]] = []
         self._digests: dict[str, list[str]] = {}
@@ -414,7 +415,11 @@ class VersionPublisher:
             entries, changed, total = self._encode(names, words, base, new_base, is_key, window, kshards, dshards,
                                                    pending)
             kshards.flush()
-            tail = dshards.take_tail(TAIL_SHARD)  # uploaded with the manifest: one PUT fewer at the end
+            if dshards.size <= self.carry_bytes:  # uploaded with the manifest: one PUT fewer at the end
+                tail = dshards.take_tail(TAIL_SHARD)
+            else:
+                tail = b""
+                dshards.flush()
             if is_key:  # the full-version marker goes up with the last shards (before the manifest)
                 pending.append(io.submit(self.store.put, f"{vdir}/{KEYFRAME_MARK}", b""))
             file_digests, file_bytes = self._put_files(files or {})

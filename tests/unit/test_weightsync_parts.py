@@ -12,7 +12,7 @@ import pytest
 
 from infra.storage import FileStore
 from infra.weightsync import VersionReader
-from infra.weightsync.layout import scan_versions
+from infra.weightsync.layout import Manifest, read_manifest_object, scan_versions
 from infra.weightsync.parts import Outcome, PartPublisher, PartReport, assign_parts
 from tests.weightsync_helpers import Drift, same
 
@@ -78,6 +78,9 @@ def test_parts_publish_one_version_every_reader_gets(tmp_path: Path) -> None:
             start = parts[0].collect_snapshots([p.snapshot_report(wait=True) for p in parts])
             assert start == v
     assert kinds == ["keyframe"] + ["delta"] * 5
+    for v in range(2, 7):  # the parts' carried frames together stay within one delta shard (1 KiB)
+        man = Manifest.from_bytes(read_manifest_object(store, PREFIX, v), v)
+        assert len(man.tail) <= 1 << 10 and any(n.startswith("d-p") for n in man.shards)
     keys = store.list(PREFIX + "/")
     assert any("/d-p002-" in k for k in keys) and any("/k-p001-" in k for k in keys)
     for v in (1, 4, 6):
