@@ -45,7 +45,8 @@ def sharded_rank(rank: int, world: int, port: int, root: str, parts: int, q: Any
                 drift.step(1e-3)
             q.put((rank, "record", sp.publish({n: t for n, t in drift.bf16().items() if sp.keeps(n)})))
         mine = {n: t for n, t in drift.bf16().items() if sp.keeps(n)}
-        store.broken = rank == parts - 1  # a full version uploads shards: this part's fail
+        q.put((rank, "part", None if sp.part is None else sp.part.index))
+        store.broken = sp.part is not None and sp.part.index == parts - 1  # a full version's shards fail here
         try:
             q.put((rank, "republish", sp.republish(mine)))
         except Exception as exc:  # the test checks every rank heard it

@@ -109,9 +109,10 @@ class WeightSyncConfig(Strict):
     publish_ranks: int = Field(
         1, ge=1, le=1024,
         description="object_store: how many trainer ranks publish each version. 1: rank 0 gathers and "
-        "publishes the whole model; P > 1: the tensors are dealt to ranks 0..P-1 by size, each encodes and "
-        "uploads its own, and rank 0 commits one manifest (encode and upload scale with P; "
-        "docs/weightsync.md, Sharded publishing). At most cluster.ranks; not with LoRA.",
+        "publishes the whole model; P > 1: the tensors are dealt by size to P ranks spread evenly (ranks "
+        "0, W/P, 2W/P... of W: one per node when P is the number of nodes), each encodes and uploads its "
+        "own, and rank 0 commits one manifest (docs/weightsync.md, Sharded publishing). At most "
+        "cluster.ranks; not with LoRA.",
     )
 
     def publisher_kwargs(self) -> dict[str, Any]:

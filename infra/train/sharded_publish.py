@@ -1,8 +1,10 @@
 """Publishing each weight version from several trainer ranks: ``weight_sync.publish_ranks: P``.
 
 With ``P = 1`` (the default) rank 0 gathers every tensor and one publisher encodes and uploads the
-whole model. With ``P > 1`` the model's tensors are dealt to ranks 0..P-1 by size
-(:func:`infra.weightsync.parts.assign_parts`); each of them takes only its own tensors from the
+whole model. With ``P > 1`` the model's tensors are dealt by size
+(:func:`infra.weightsync.parts.assign_parts`) to P ranks spread evenly over the world: ranks 0,
+W/P, 2W/P, ... of W (torchrun numbers ranks node by node, so with P = the number of nodes that is
+each node's first rank: one publisher per node, its cores and uplink). Each of them takes only its own tensors from the
 engine (a local read for torch replicas and ZeRO-1/2, a gather per tensor kept by its owner under
 ZeRO-3 and FSDP), and encodes and uploads them in parallel with the others; rank 0 then writes the
 one manifest that commits the version (:mod:`infra.weightsync.parts` has the protocol). Encode
@@ -41,7 +43,8 @@ class ShardedPublishFailed(DeltaloopError):
 
 
 class ShardedPublish:
-    """The trainer ranks' side of a sharded publish (module docstring); ranks >= P hold no part."""
+    """The trainer ranks' side of a sharded publish (module docstring); ranks that publish nothing
+    take part in the collectives with no part."""
 
     def __init__(self, store: "ObjectStore", prefix: str, ws: "WeightSyncConfig", rank: int, world: int,
                  numels: dict[str, int]) -> None:
@@ -49,10 +52,12 @@ class ShardedPublish:
         if self.parts > world:
             raise ValueError(f"weight_sync.publish_ranks={self.parts} but the trainer has {world} ranks")
         self.rank, self.world = rank, world
+        stride = world // self.parts
         shares = assign_parts(numels, self.parts)
-        self.owner = {n: p for p, names in enumerate(shares) for n in names}
-        self.part = (PartPublisher(store, prefix, rank, self.parts, shares[rank], **ws.publisher_kwargs())
-                     if rank < self.parts else None)
+        self.owner = {n: p * stride for p, names in enumerate(shares) for n in names}  # name -> its rank
+        part = rank // stride if rank % stride == 0 and rank // stride < self.parts else None
+        self.part = (PartPublisher(store, prefix, part, self.parts, shares[part], **ws.publisher_kwargs())
+                     if part is not None else None)
         dist.barrier()  # part 0 deleted what killed publishers left before any part uploads
 
     @property
@@ -67,7 +72,7 @@ class ShardedPublish:
         return self.owner.get(name) == self.rank
 
     def publish(self, tensors: dict[str, "torch.Tensor"], *, full: bool = False) -> dict[str, Any]:
-        """Collective: publish this rank's ``tensors`` (its share; empty on ranks >= P) as the next
+        """Collective: publish this rank's ``tensors`` (its share; empty on a rank with no part) as the next
         version; returns the record of it on rank 0 (``{}`` elsewhere). Raises
         :class:`ShardedPublishFailed` on every rank when any part failed. Python's cyclic garbage
         collector is held off meanwhile, as one publisher's ``publish`` holds it."""

@@ -6,9 +6,10 @@ process) pulls each version from the file object store; sandboxes under bubblewr
   for at every version: every step's rollouts come from the version trained before it, both ranks'
   shards are in the store, snapshots merged from both shares commit, and a late joiner that starts
   from one gets the bits a replay from version 1 gets;
-- the flow's stages driven one by one: the worker serves the bits the store holds after each sync,
-  a republish rewrites the newest version in place, and a restarted trainer group continues with
-  deltas (each rank reads its share of the newest version back as its base).
+- the flow's stages driven one by one, with DeepSpeed ZeRO-3 (each tensor gathered, and kept by
+  its owner only): the worker serves the bits the store holds after each sync, a republish rewrites the
+  newest version in place, and a restarted trainer group continues with deltas (each rank reads its
+  share of the newest version back as its base).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def test_stages_serve_the_store_bits_through_republish_and_trainer_restart(tmp_p
     from infra.stages.provision import provision, restart_trainer, teardown
     from infra.stages.steps import rollout_batch, score_batch, sync_weights, train_step
 
-    cfg = load_config("configs/demo.yaml", [*TINY, "trainer.steps=2", f"run_root={tmp_path}"])
+    cfg = load_config("configs/demo.yaml", [*TINY, "trainer.steps=2", "trainer.engine=deepspeed",
+                                            "trainer.zero_stage=3", f"run_root={tmp_path}"])
     ctx = prepare_run(cfg)
     cluster = provision(ctx)
     prefix = ctx.key(None, "weights")

@@ -1,6 +1,6 @@
 """Sharded publishing from trainer ranks (:mod:`infra.train.sharded_publish`) with real processes
-over gloo: two of three ranks publish their shares of each version and rank 0 commits it, with
-snapshots merged from both shares; a republish whose part's store fails fails on every rank, and
+over gloo: two parts on ranks spread over the world (ranks 0 and 1 of three, 0 and 2 of four)
+publish their shares of each version and rank 0 commits it, with snapshots merged from both shares; a republish whose part's store fails fails on every rank, and
 the next publish writes the version again as a full one; every version reads back bit-exact. And
 the settings ``weight_sync.publish_ranks`` refuses."""
 
@@ -28,16 +28,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_parts_of_three_ranks_publish_fail_together_and_republish(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world,parts,publishing", [(3, 2, [0, 1]), (4, 2, [0, 2])])
+def test_parts_publish_fail_together_and_republish(tmp_path: Path, world: int, parts: int,
+                                                   publishing: list[int]) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    world, parts, port = 3, 2, _port()
+    port = _port()
     procs = [ctx.Process(target=sharded_rank, args=(r, world, port, str(tmp_path), parts, q), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, list] = {r: [] for r in range(world)}
-    for _ in range(world * 9):  # 6 records, the failed republish's error, 1 record, the version: per rank
+    for _ in range(world * 10):  # 6 records, its part, the failed republish's error, 1 record, the version
         rank, what, value = q.get(timeout=180)
         got[rank].append((what, value))
     for p in procs:
@@ -46,20 +48,24 @@ def test_two_parts_of_three_ranks_publish_fail_together_and_republish(tmp_path: 
 
     for r in range(world):
         whats = [w for w, _ in got[r]]
-        assert whats == ["record"] * 6 + ["error", "record", "version"], (r, whats)
-        assert "ShardedPublishFailed" in got[r][6][1] and "part 1" in got[r][6][1]
+        assert whats == ["record"] * 6 + ["part", "error", "record", "version"], (r, whats)
+        assert "ShardedPublishFailed" in got[r][7][1] and f"part {parts - 1}" in got[r][7][1]
         assert got[r][-1] == ("version", 6)
+    # the parts sit on ranks spread evenly (one per node, where torchrun numbers ranks node by node)
+    assert [r for r in range(world) if got[r][6][1] is not None] == publishing
+    assert [got[r][6][1] for r in publishing] == list(range(parts))
     records = [v for w, v in got[0] if w == "record"]
     assert [r["version"] for r in records] == [1, 2, 3, 4, 5, 6, 6]
     assert [r["kind"] for r in records] == ["keyframe"] + ["delta"] * 5 + ["keyframe"]
-    assert all(r["parts"] == 2 for r in records) and all(v == {} for w, v in got[1] + got[2] if w == "record")
+    assert all(r["parts"] == parts for r in records)
+    assert all(v == {} for r in range(1, world) for w, v in got[r] if w == "record")
 
     store = FileStore(tmp_path)
     listing = scan_versions(store.list(PREFIX + "/"))
     assert listing.committed == [1, 2, 3, 4, 5, 6] and listing.snapshots and not listing.partial
     keys = store.list(PREFIX + "/")
-    assert any("-p000-" in k for k in keys) and any("-p001-" in k for k in keys)
-    assert not any("-p002-" in k for k in keys)  # rank 2 holds no part
+    assert all(any(f"-p{p:03d}-" in k for k in keys) for p in range(parts))
+    assert not any(f"-p{parts:03d}-" in k for k in keys)
     drift = Drift(seed=7)
     for v in range(1, 7):
         if v > 1:
