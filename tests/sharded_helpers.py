@@ -12,10 +12,10 @@ import torch
 PREFIX = "runs/sharded/weights"
 
 
-def sharded_rank(rank: int, world: int, port: int, root: str, parts: int, q: Any) -> None:
+def sharded_rank(rank: int, world: int, rendezvous: str, root: str, parts: int, q: Any) -> None:
     """Publish six drifting versions from ``parts`` of ``world`` ranks; republish the sixth with the
     last part's store broken (it fails), and publish it again. Reports each record (or error) on
-    ``q`` as ``(rank, what, value)``."""
+    ``q`` as ``(rank, what, value)``. The ranks meet through the file ``rendezvous`` (no port to race for)."""
     import torch.distributed as dist
 
     from infra.configs.services import WeightSyncConfig
@@ -32,7 +32,7 @@ def sharded_rank(rank: int, world: int, port: int, root: str, parts: int, q: Any
             super().put(key, data)
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         store = Breakable(Path(root))

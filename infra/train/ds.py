@@ -135,7 +135,7 @@ class DeepSpeedEngine:
         base = getattr(self.optimizer, "optimizer", self.optimizer)
         base.state.clear()
 
-    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
+    def full_params(self) -> "dict[str, torch.Tensor] | None":
         import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -145,9 +145,27 @@ class DeepSpeedEngine:
             if t is None:  # frozen (LoRA base) or not managed by the optimizer
                 with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
                     t = p.detach().float().clone()
-            if (self.rank == 0) if keep is None else keep(name):
+            if self.rank == 0:
                 out[name] = t.detach().to("cpu")
-        return out if self.rank == 0 or keep is not None else None
+        return out if self.rank == 0 else None
+
+    def owned_params(self, owner: "Callable[[str], int]") -> "dict[str, torch.Tensor]":
+        """ZeRO-1/2: the module's parameters are whole on every rank after each step (DeepSpeed
+        copies the updated masters into them, in bf16 under ``trainer.bf16``: the bits a bf16 publish
+        of the masters has), so each owner reads its own, with no communication. ZeRO-3: each one
+        gathered (an all-gather), kept by its owner."""
+        import deepspeed
+
+        out: dict[str, Any] = {}
+        for name, p in self.engine.module.named_parameters():
+            if self.tcfg.zero_stage < 3:
+                if owner(name) == self.rank:
+                    out[name] = p.detach()
+                continue
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                if owner(name) == self.rank:
+                    out[name] = p.detach().clone()
+        return out
 
     def param_numels(self) -> dict[str, int]:
         return {n: int(getattr(p, "ds_numel", p.numel())) for n, p in self.engine.module.named_parameters()}

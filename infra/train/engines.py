@@ -43,9 +43,14 @@ class TrainEngine(Protocol):
     def backward(self, loss: "torch.Tensor") -> None: ...
     def step(self) -> float: ...
     def reset_optimizer(self) -> None: ...
-    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
-        """Collective: every parameter whole, on rank 0 (None elsewhere); with ``keep``, on every
-        rank the parameters ``keep(name)`` accepts (a sharded publish: infra/train/sharded_publish.py)."""
+    def full_params(self) -> "dict[str, torch.Tensor] | None":
+        """Collective: every parameter whole, at full precision (fp32 masters), on rank 0 (None elsewhere)."""
+        ...
+
+    def owned_params(self, owner: "Callable[[str], int]") -> "dict[str, torch.Tensor]":
+        """Collective: the parameters whose ``owner(name)`` is this rank, whole (empty elsewhere), for
+        publishing in bf16: exact to bf16 at least, gathered to the owner alone where the engine
+        allows it (no gather at all for replicas)."""
         ...
 
     def param_numels(self) -> dict[str, int]:
@@ -103,10 +108,13 @@ class TorchEngine:
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()
 
-    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
-        if keep is None and self.rank != 0:
+    def full_params(self) -> "dict[str, torch.Tensor] | None":
+        if self.rank != 0:
             return None
-        return {n: p.detach() for n, p in self.module.named_parameters() if keep is None or keep(n)}
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    def owned_params(self, owner: "Callable[[str], int]") -> "dict[str, torch.Tensor]":
+        return {n: p.detach() for n, p in self.module.named_parameters() if owner(n) == self.rank}  # replicas
 
     def param_numels(self) -> dict[str, int]:
         return {n: p.numel() for n, p in self.module.named_parameters()}

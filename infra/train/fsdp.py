@@ -66,13 +66,38 @@ class FSDPEngine:
     def reset_optimizer(self) -> None:
         self.optimizer.state.clear()
 
-    def full_params(self, keep: "Callable[[str], bool] | None" = None) -> "dict[str, torch.Tensor] | None":
+    def full_params(self) -> "dict[str, torch.Tensor] | None":
         out = {}
         for name, p in self.module.named_parameters():  # all-gather: every rank takes part
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            if (self.rank == 0) if keep is None else keep(name):
+            if self.rank == 0:
                 out[name] = full.detach().float().cpu()
-        return out if self.rank == 0 or keep is not None else None
+        return out if self.rank == 0 else None
+
+    def owned_params(self, owner: "Callable[[str], int]") -> "dict[str, torch.Tensor]":
+        """Each parameter gathered to its owner alone: the ranks' dim-0 shards (``torch.chunk``
+        order, so all but the trailing ones are ``ceil(rows / world)`` rows) padded to that size,
+        one ``gather`` to the owner, concatenated and cut to the rows."""
+        import torch
+        import torch.distributed as dist
+
+        out = {}
+        for name, p in self.module.named_parameters():
+            dst = owner(name)
+            if not hasattr(p, "to_local") or p.dim() == 0:  # not sharded by rows
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if dst == self.rank:
+                    out[name] = full.detach()
+                continue
+            local = p.to_local().detach()
+            rows = -(-p.shape[0] // self.world)
+            buf = local.new_zeros((rows, *p.shape[1:]))
+            buf[: local.shape[0]].copy_(local)
+            parts = [torch.empty_like(buf) for _ in range(self.world)] if dst == self.rank else None
+            dist.gather(buf, parts, dst=dst)
+            if parts is not None:
+                out[name] = torch.cat(parts)[: p.shape[0]]
+        return out
 
     def param_numels(self) -> dict[str, int]:
         return {n: p.numel() for n, p in self.module.named_parameters()}  # a DTensor's is the whole

@@ -68,7 +68,7 @@ class ShardedPublish:
         return int(box[0])
 
     def keeps(self, name: str) -> bool:
-        """Whether this rank publishes tensor ``name``."""
+        """Whether this rank publishes tensor ``name`` (``owner[name]`` is the rank that does)."""
         return self.owner.get(name) == self.rank
 
     def publish(self, tensors: dict[str, "torch.Tensor"], *, full: bool = False) -> dict[str, Any]:

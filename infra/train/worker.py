@@ -156,18 +156,19 @@ class Trainer(BroadcastOps, ColocatedOps):
         return full
 
     # --------------------------------------------------------------------------------- publish
-    def _publishable(self, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor] | None:
-        """Collective: the tensors to publish (rank 0; with ``keep``, those it accepts on every rank),
-        bf16; adapters only with LoRA."""
-        full = self.engine.full_params(keep)
-        if full is None:
-            return None
+    def _publishable(self, owner: Callable[[str], int] | None = None) -> dict[str, torch.Tensor] | None:
+        """Collective: the tensors to publish, bf16, on rank 0 (with ``owner``, those each rank owns:
+        a sharded publish); adapters only with LoRA (rank 0)."""
         lcfg = self.cfg.trainer.lora
         if lcfg.enabled:
             from infra.train.lora import publishable_adapter_state
 
-            return publishable_adapter_state(full, lcfg.alpha / lcfg.rank)
-        return {n: t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().clone() for n, t in full.items()}
+            full = self.engine.full_params()
+            return None if full is None else publishable_adapter_state(full, lcfg.alpha / lcfg.rank)
+        mine = self.engine.owned_params(owner or (lambda _name: 0))
+        if owner is None and self.rank != 0:
+            return None
+        return {n: t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().clone() for n, t in mine.items()}
 
     def _publish_next(self) -> dict[str, Any]:
         """Collective: make the current weights version ``weights_version + 1``.
@@ -192,7 +193,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         if sharded:
             if newest[0] != target - 1:
                 raise RuntimeError(f"the store's newest version is {newest[0]}, cannot publish {target}")
-            return self._timed(self.publisher.publish(self._publishable(keep=self.publisher.keeps)), t0)
+            return self._timed(self.publisher.publish(self._publishable(owner=self.publisher.owner.get)), t0)
         tensors = self._publishable()
         if self.rank != 0:
             return {}
@@ -254,7 +255,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         if self.cfg.weight_sync.publish_ranks > 1:
             if self._open_sharded().version != version:
                 raise ValueError(f"cannot republish weight version {version}: it is not the newest published")
-            return self._timed(self.publisher.republish(self._publishable(keep=self.publisher.keeps)), t0)
+            return self._timed(self.publisher.republish(self._publishable(owner=self.publisher.owner.get)), t0)
         tensors = self._publishable()
         if self.rank != 0:
             return {}

@@ -7,7 +7,8 @@ the settings ``weight_sync.publish_ranks`` refuses."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
+import queue
+import time
 from pathlib import Path
 
 import pytest
@@ -22,25 +23,24 @@ from tests.weightsync_helpers import Drift, same
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world,parts,publishing", [(3, 2, [0, 1]), (4, 2, [0, 2])])
 def test_parts_publish_fail_together_and_republish(tmp_path: Path, world: int, parts: int,
                                                    publishing: list[int]) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=sharded_rank, args=(r, world, port, str(tmp_path), parts, q), daemon=True)
-             for r in range(world)]
+    rendezvous = str(tmp_path / "rendezvous")
+    procs = [ctx.Process(target=sharded_rank, args=(r, world, rendezvous, str(tmp_path / "store"), parts, q),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, list] = {r: [] for r in range(world)}
-    for _ in range(world * 10):  # 6 records, its part, the failed republish's error, 1 record, the version
-        rank, what, value = q.get(timeout=180)
+    deadline = time.monotonic() + 180
+    while sum(map(len, got.values())) < world * 10:  # per rank: 6 records, its part, an error, 1 record, the version
+        try:
+            rank, what, value = q.get(timeout=2)
+        except queue.Empty:
+            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "a rank died or hung"
+            continue
         got[rank].append((what, value))
     for p in procs:
         p.join(timeout=30)
@@ -60,7 +60,7 @@ def test_parts_publish_fail_together_and_republish(tmp_path: Path, world: int, p
     assert all(r["parts"] == parts for r in records)
     assert all(v == {} for r in range(1, world) for w, v in got[r] if w == "record")
 
-    store = FileStore(tmp_path)
+    store = FileStore(tmp_path / "store")
     listing = scan_versions(store.list(PREFIX + "/"))
     assert listing.committed == [1, 2, 3, 4, 5, 6] and listing.snapshots and not listing.partial
     keys = store.list(PREFIX + "/")
