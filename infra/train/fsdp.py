@@ -75,28 +75,14 @@ class FSDPEngine:
         return out if self.rank == 0 else None
 
     def owned_params(self, owner: "Callable[[str], int]") -> "dict[str, torch.Tensor]":
-        """Each parameter gathered to its owner alone: the ranks' dim-0 shards (``torch.chunk``
-        order, so all but the trailing ones are ``ceil(rows / world)`` rows) padded to that size,
-        one ``gather`` to the owner, concatenated and cut to the rows."""
-        import torch
-        import torch.distributed as dist
-
+        """Each parameter all-gathered (``full_tensor``), kept by its owner only. A gather to the owner
+        alone moves fewer bytes, but gloo's ``gather`` measured slower on SmolLM2-135M (0.25 s a version
+        one call per parameter, 0.5 s in 256 MiB buckets, against 0.04 s for these all-gathers)."""
         out = {}
         for name, p in self.module.named_parameters():
-            dst = owner(name)
-            if not hasattr(p, "to_local") or p.dim() == 0:  # not sharded by rows
-                full = p.full_tensor() if hasattr(p, "full_tensor") else p
-                if dst == self.rank:
-                    out[name] = full.detach()
-                continue
-            local = p.to_local().detach()
-            rows = -(-p.shape[0] // self.world)
-            buf = local.new_zeros((rows, *p.shape[1:]))
-            buf[: local.shape[0]].copy_(local)
-            parts = [torch.empty_like(buf) for _ in range(self.world)] if dst == self.rank else None
-            dist.gather(buf, parts, dst=dst)
-            if parts is not None:
-                out[name] = torch.cat(parts)[: p.shape[0]]
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if owner(name) == self.rank:
+                out[name] = full.detach()
         return out
 
     def param_numels(self) -> dict[str, int]:

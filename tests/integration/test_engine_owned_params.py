@@ -1,5 +1,5 @@
-"""Every trainer engine's ``owned_params`` (what each rank publishes: gathered to its owner alone
-where the engine allows it, read in place on replicas and ZeRO-1/2) holds, bit for bit in bf16, what
+"""Every trainer engine's ``owned_params`` (what each rank publishes: read in place on replicas and
+ZeRO-1/2, all-gathered and kept by its owner under FSDP and ZeRO-3) holds, bit for bit in bf16, what
 the full-precision ``full_params`` gather to rank 0 does, after real optimizer steps, on two gloo
 ranks, with shards that do not split evenly."""
 
