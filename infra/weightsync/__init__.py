@@ -26,6 +26,8 @@ The package, in reading order (each module's docstring says what it does and why
 ``publisher.py``         :class:`VersionPublisher`: encode chunks on a thread pool, upload shards
                          while encoding, write the manifest last; the snapshot cadence
 ``snapshot.py``          :class:`SnapshotLane`: snapshots on a background thread, below deltas
+``parts.py``             sharded publishing: :class:`PartPublisher` per trainer rank, part 0 merges
+                         the shares into one manifest (``weight_sync.publish_ranks``)
 ``shards.py``            frames packed into shard objects that upload while encoding continues
 ``reader.py``            :class:`VersionReader`: pick a replay path, check and verify every chunk,
                          fall back to older snapshots on a fault
