@@ -47,7 +47,7 @@ def build_summary(ctx: RunContext, before: dict[str, Any], after: dict[str, Any]
         "gate_reason": gate["decision"]["reason"] if gate else "promotion disabled",
         "sync_bytes_total": sum(h.get("sync_bytes") or 0 for h in steps),
         "sync_fraction_mean": sum(fracs) / len(fracs) if fracs else 0.0,
-        "weight_placement": cfg.weight_sync.placement,
+        "weight_placement": cfg.weight_sync.placement, "publish_ranks": cfg.weight_sync.publish_ranks,
         "loop_mode": ctx.cfg.loop.mode, "max_staleness_seen": max(stale, default=0),
         "staleness_bound": ctx.cfg.loop.max_staleness,
         "orchestration_overhead_fraction_mean": sum(overheads) / len(overheads) if overheads else 0.0,
@@ -116,6 +116,10 @@ def write_summary(ctx: RunContext, summary: dict[str, Any]) -> Path:
 _SYNCED_AS = {"broadcast": "as whole models over the broadcast group", "colocated": "(colocated: nothing moves)"}
 
 
+def _published_by(ranks: int) -> str:
+    return f", each published by {ranks} trainer ranks" if ranks > 1 else ""
+
+
 def human_summary(s: dict[str, Any]) -> str:
     """A few lines for the terminal."""
     lines = [
@@ -125,7 +129,8 @@ def human_summary(s: dict[str, Any]) -> str:
         f"{s['eval_accuracy_before']:.3f} -> {s['eval_accuracy_after']:.3f} on {s.get('eval_n')} problems",
         f"  final weight version: {s['final_weight_version']}; synced {s.get('sync_bytes_total', 0) / 1e6:.2f} MB "
         f"{_SYNCED_AS.get(s.get('weight_placement', ''), 'in deltas')} "
-        f"({s.get('sync_fraction_mean', 0) * 100:.2f}% of full on average)",
+        f"({s.get('sync_fraction_mean', 0) * 100:.2f}% of full on average"
+        f"{_published_by(s.get('publish_ranks') or 1)})",
         f"  model version {s['model_version']}: {'PROMOTED to champion' if s['promoted'] else 'not promoted'}"
         f" — {s.get('gate_reason', '')}",
         f"  MLflow run {s['mlflow_run_id']} at {s['tracking_uri']}",

@@ -61,7 +61,7 @@ def test_flow_with_two_publishing_ranks(harness: None, tmp_path: Path) -> None:
                    overrides=[*TINY, "trainer.steps=3", "promote.enabled=false", f"run_root={root}",
                               "weight_sync.snapshot_chain_fraction=0.01"])
     summary = json.loads(Path(out["summary_path"]).read_text())
-    assert summary["steps"] == 3 and summary["final_weight_version"] == 4
+    assert summary["steps"] == 3 and summary["final_weight_version"] == 4 and summary["publish_ranks"] == 2
     store = open_store(f"file://{root}/store")
     prefix = f"runs/{summary['run_id']}/weights"
     for step in (1, 2, 3):

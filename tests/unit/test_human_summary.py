@@ -1,5 +1,6 @@
-"""The run's closing lines say how the weight versions travelled: deltas through the object store,
-whole models over the broadcast group, or nothing (colocated)."""
+"""The run's closing lines say how the weight versions travelled: deltas through the object store
+(and by how many trainer ranks each was published), whole models over the broadcast group, or
+nothing (colocated)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,9 @@ def test_the_sync_line_names_how_versions_travelled(placement: str | None, said:
     text = human_summary(_summary(placement))
     assert said in text
     assert ("in deltas" in text) == (placement in (None, "object_store"))
+    assert "published by" not in text
+
+
+def test_the_sync_line_names_the_publishing_ranks_of_a_sharded_publish() -> None:
+    s = {**_summary("object_store"), "publish_ranks": 4}
+    assert "synced 6.00 MB in deltas (50.00% of full on average, each published by 4 trainer ranks)" in human_summary(s)

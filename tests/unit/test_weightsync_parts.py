@@ -170,3 +170,22 @@ def test_a_failed_snapshot_share_drops_the_snapshot_and_the_cadence_asks_again(t
     assert _publish(parts, drift.bf16(), names).snapshot  # asked again at once
     assert parts[0].collect_snapshots([p.snapshot_report(wait=True) for p in parts]) == 3
     assert scan_versions(store.list(PREFIX + "/")).snapshots == {3}
+
+
+def test_parts_killed_before_the_commit_leave_nothing_and_new_parts_resume(tmp_path: Path) -> None:
+    store, names = FileStore(tmp_path / "store"), _names()
+    drift = Drift(seed=6)
+    parts = _parts(store, names, snapshot_chain_fraction=100)
+    assert _publish(parts, drift.bf16(), names).committed
+    drift.step(1e-3)
+    state = drift.bf16()
+    for p in parts:  # every part uploads its share of version 2; the process dies before part 0 commits
+        assert p.prepare({n: state[n] for n in names[p.index]}, full=False).error is None
+    assert any("/v00000002/" in k for k in store.list(PREFIX + "/"))
+    again = _parts(store, names, snapshot_chain_fraction=100)  # the restarted ranks
+    assert not any("/v00000002/" in k for k in store.list(PREFIX + "/"))  # part 0 deleted the orphan shares
+    assert [p.version for p in again] == [1, 1, 1]
+    out = _publish(again, state, names)
+    assert out.committed and out.version == 2 and out.info is not None and out.info.kind == "delta"
+    got, v = VersionReader(store, PREFIX).fetch()
+    assert v == 2 and same(got, state)
