@@ -3,6 +3,10 @@
 ``broadcast`` needs ``rollout.type: local``: vLLM applies versions inside its own model process,
 which does not join the trainer's weight group.
 
+``weight_sync.publish_ranks > 1`` (:mod:`infra.train.sharded_publish`) needs the object-store
+placement, full weights (not LoRA), no more parts than trainer ranks, and a store every publishing
+rank reaches (not a local folder when the ranks are on other hosts).
+
 ``colocated`` generates on the trainer ranks with the parameters they train
 (:mod:`infra.rollout.colocated`), so it refuses what would need another engine, another copy of the
 weights or generation overlapping training:
@@ -66,6 +70,9 @@ def sharded_publish_problems(cfg: Any) -> list[str]:
     if cfg.trainer.lora.enabled:
         out.append(f"trainer.lora.enabled=true: {where}; LoRA publishes its small adapters from rank 0 "
                    "(use publish_ranks 1)")
+    if cfg.storage.type == "file" and cfg.cluster.type != "local":
+        out.append(f"storage.type='file' with cluster.type={cfg.cluster.type!r}: {where}, each writing its shards "
+                   "itself, so they need one store they all reach (use storage.type s3, or publish_ranks 1)")
     return out
 
 

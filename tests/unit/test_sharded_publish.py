@@ -79,6 +79,7 @@ def test_parts_publish_fail_together_and_republish(tmp_path: Path, world: int, p
     (["weight_sync.placement=colocated"], "weight_sync.placement='colocated'"),
     (["cluster.ranks=2", "weight_sync.publish_ranks=3"], "cluster.ranks=2"),
     (["trainer.lora.enabled=true"], "trainer.lora.enabled=true"),
+    (["cluster.type=hosts", "cluster.hosts=[{host: a, slots: 2}]"], "storage.type='file' with cluster.type='hosts'"),
 ])
 def test_publish_ranks_refuses_settings_it_cannot_run(overrides: list[str], setting: str) -> None:
     with pytest.raises(ConfigError) as err:
