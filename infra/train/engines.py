@@ -49,8 +49,8 @@ class TrainEngine(Protocol):
 
     def owned_params(self, owner: "Callable[[str], int]") -> "dict[str, torch.Tensor]":
         """Collective: the parameters whose ``owner(name)`` is this rank, whole (empty elsewhere), for
-        publishing in bf16: exact to bf16 at least, gathered to the owner alone where the engine
-        allows it (no gather at all for replicas)."""
+        publishing in bf16: exact to bf16 at least. Replicas and ZeRO-1/2 read them in place (no
+        collective); sharded engines all-gather each one and its owner keeps it."""
         ...
 
     def param_numels(self) -> dict[str, int]:
