@@ -87,12 +87,10 @@ def _rank(rank: int, parts: int, port: int, root: str, threads: int, core: int |
             mine = state if parts == 1 else {n: t for n, t in state.items() if pub.keeps(n)}
             dist.barrier()  # every rank has the new weights
             t0 = time.perf_counter()
-            rec = pub.publish(mine)
-            seconds = time.perf_counter() - t0
-            if rank == 0:  # encode: the publisher's own time (P > 1: the slowest part's prepare)
-                row = ({"kind": rec.kind, "bytes": rec.bytes_written, "encode": rec.seconds} if parts == 1 else
-                       {"kind": rec["kind"], "bytes": rec["bytes_written"], "encode": rec["encode_seconds"]})
-                q.put(("version", {"seconds": seconds, **row}))
+            rec = pub.publish(mine).record(t0) if parts == 1 else pub.publish(mine, t0=t0)
+            if rank == 0:  # encode_seconds: the publisher's own time (P > 1: the slowest part's prepare)
+                q.put(("version", {"seconds": rec["seconds"], "kind": rec["kind"], "bytes": rec["bytes_written"],
+                                   "encode": rec["encode_seconds"]}))
         snap = pub.snapshot_bytes_written if parts == 1 else (pub.part.snapshot_bytes_written if pub.part else 0)
         pub.close()
         q.put(("snapshot_bytes", snap))

@@ -3,11 +3,12 @@ what each way of reading its parameters gives (for tests that run several ranks 
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.rank_helpers import join_gloo
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -43,9 +44,7 @@ def engine_rank(rank: int, world: int, rendezvous: str, overrides: list[str], q:
 
     set_defaults()
     os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank), "WORLD_SIZE": str(world)})  # as torchrun
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    join_gloo(rank, world, rendezvous)
     try:
         tcfg = load_config(DEMO, overrides).trainer
         torch.manual_seed(3)

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.rank_helpers import join_gloo
 
 PREFIX = "runs/sharded/weights"
 
@@ -31,9 +32,7 @@ def sharded_rank(rank: int, world: int, rendezvous: str, root: str, parts: int, 
                 raise OSError(f"injected: cannot write {key}")
             super().put(key, data)
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    join_gloo(rank, world, rendezvous)
     try:
         store = Breakable(Path(root))
         drift = Drift(seed=7)

@@ -71,16 +71,17 @@ class ShardedPublish:
         """Whether this rank publishes tensor ``name`` (``owner[name]`` is the rank that does)."""
         return self.owner.get(name) == self.rank
 
-    def publish(self, tensors: dict[str, "torch.Tensor"], *, full: bool = False) -> dict[str, Any]:
+    def publish(self, tensors: dict[str, "torch.Tensor"], *, full: bool = False,
+                t0: float | None = None) -> dict[str, Any]:
         """Collective: publish this rank's ``tensors`` (its share; empty on a rank with no part) as the next
-        version; returns the record of it on rank 0 (``{}`` elsewhere). Raises
+        version; returns the record of it on rank 0 (``{}`` elsewhere; ``seconds`` from ``t0``, default
+        now: :meth:`~infra.weightsync.publisher.PublishInfo.record`). Raises
         :class:`ShardedPublishFailed` on every rank when any part failed. Python's cyclic garbage
         collector is held off meanwhile, as one publisher's ``publish`` holds it."""
         with deferred_gc():
-            return self._publish(tensors, full)
+            return self._publish(tensors, full, time.perf_counter() if t0 is None else t0)
 
-    def _publish(self, tensors: dict[str, "torch.Tensor"], full: bool) -> dict[str, Any]:
-        t0 = time.perf_counter()
+    def _publish(self, tensors: dict[str, "torch.Tensor"], full: bool, t0: float) -> dict[str, Any]:
         ready = self.part.ready(tensors) if self.part is not None else True
         flags: list[Any] = [None] * self.world
         dist.all_gather_object(flags, ready)
@@ -100,17 +101,14 @@ class ShardedPublish:
             raise ShardedPublishFailed(f"weight version {outcome.version} not published: {outcome.error}")
         if self.rank != 0 or outcome.info is None:
             return {}
-        info = outcome.info
-        return {"version": info.version, "kind": info.kind, "bytes_written": info.bytes_written,
-                "raw_bytes": info.raw_bytes, "encode_seconds": info.seconds, "seconds": time.perf_counter() - t0,
-                "changed_fraction": info.changed_fraction, "parts": self.parts}
+        return {**outcome.info.record(t0), "parts": self.parts}
 
-    def republish(self, tensors: dict[str, "torch.Tensor"]) -> dict[str, Any]:
+    def republish(self, tensors: dict[str, "torch.Tensor"], *, t0: float | None = None) -> dict[str, Any]:
         """Collective: write the newest version again, as a full version of ``tensors`` (after a
         reader found one of its objects corrupt or missing)."""
         if self.part is not None:
             self.part.drop_newest()
-        return self.publish(tensors, full=True)
+        return self.publish(tensors, full=True, t0=t0)
 
     def close(self) -> None:
         """Stop this rank's part (its snapshot share in flight is abandoned)."""

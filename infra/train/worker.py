@@ -193,7 +193,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         if sharded:
             if newest[0] != target - 1:
                 raise RuntimeError(f"the store's newest version is {newest[0]}, cannot publish {target}")
-            return self._timed(self.publisher.publish(self._publishable(owner=self.publisher.owner.get)), t0)
+            return self.publisher.publish(self._publishable(owner=self.publisher.owner.get), t0=t0)
         tensors = self._publishable()
         if self.rank != 0:
             return {}
@@ -207,12 +207,7 @@ class Trainer(BroadcastOps, ColocatedOps):
     def _publish_tensors(self, tensors: dict[str, torch.Tensor], t0: float) -> dict[str, Any]:
         """Rank 0: publish ``tensors`` as the publisher's next version; the record of it (``seconds``
         counts from ``t0``: gather + cast + encode + upload)."""
-        info = self._open_publisher().publish(tensors)
-        out = {k: getattr(info, k) for k in ("version", "kind", "bytes_written", "raw_bytes")}
-        out["encode_seconds"] = info.seconds
-        out["seconds"] = time.perf_counter() - t0
-        out["changed_fraction"] = getattr(info, "changed_fraction", None)
-        return out
+        return self._open_publisher().publish(tensors).record(t0)
 
     def _open_publisher(self) -> "VersionPublisher":
         """Rank 0's publisher, made on first use: it continues after the newest committed version."""
@@ -223,12 +218,6 @@ class Trainer(BroadcastOps, ColocatedOps):
             self.publisher = VersionPublisher(self.store, run_key(self.run_id, None, "weights"),
                                               **ws.publisher_kwargs())
         return self.publisher
-
-    @staticmethod
-    def _timed(record: dict[str, Any], t0: float) -> dict[str, Any]:
-        """A sharded publish's record (rank 0) with ``seconds`` counted from ``t0`` (gathers and cast
-        included, as rank 0's own publish counts them)."""
-        return {**record, "seconds": time.perf_counter() - t0} if record else record
 
     def _open_sharded(self) -> Any:
         """Collective: every rank's :class:`~infra.train.sharded_publish.ShardedPublish`, made on first use."""
@@ -255,7 +244,7 @@ class Trainer(BroadcastOps, ColocatedOps):
         if self.cfg.weight_sync.publish_ranks > 1:
             if self._open_sharded().version != version:
                 raise ValueError(f"cannot republish weight version {version}: it is not the newest published")
-            return self._timed(self.publisher.republish(self._publishable(owner=self.publisher.owner.get)), t0)
+            return self.publisher.republish(self._publishable(owner=self.publisher.owner.get), t0=t0)
         tensors = self._publishable()
         if self.rank != 0:
             return {}

@@ -28,6 +28,7 @@ from infra.weightsync.errors import WeightSyncError
 from infra.weightsync.layout import (
     MANIFEST,
     SNAPSHOT_TAG,
+    Listing,
     Manifest,
     manifest_key,
     read_manifest_object,
@@ -59,9 +60,7 @@ def collect(store: "ObjectStore", prefix: str, keep: int, busy: int | None = Non
         if m:
             by_version.setdefault(int(m.group(1)), []).append(key)
     for v in sorted(listing.partial - {busy}):
-        for key in by_version.get(v, []):
-            if key.rsplit("/", 1)[-1].startswith(SNAPSHOT_TAG + "-"):
-                store.delete(key)
+        delete_snapshot_objects(store, prefix, v, by_version.get(v, []))
     oldest_kept = committed[max(0, len(committed) - keep)]
     anchors = [k for k in listing.starts if k <= oldest_kept]
     if not anchors:
@@ -94,6 +93,26 @@ def _live_files(store: "ObjectStore", prefix: str, versions: list[int]) -> set[s
             log.warning("side files kept: %s", exc)
             return None
     return live
+
+
+def clean_orphans(store: "ObjectStore", prefix: str, listing: Listing) -> None:
+    """Delete what killed publishers left (a new publisher runs it before its first version):
+    version folders above the newest committed version, and the objects of snapshots that never
+    committed."""
+    newest = listing.committed[-1] if listing.committed else 0
+    for orphan in sorted(v for v in listing.seen if v > newest):
+        for key in store.list(version_dir(prefix, orphan) + "/"):
+            store.delete(key)
+    for v in sorted(listing.partial & set(listing.committed)):
+        delete_snapshot_objects(store, prefix, v)
+
+
+def delete_snapshot_objects(store: "ObjectStore", prefix: str, version: int, keys: list[str] | None = None) -> None:
+    """Delete the snapshot objects (``s-`` shards, and the parts' shares of a sharded publish) of
+    ``version``, whose snapshot never committed; ``keys``: the version's objects, if already listed."""
+    for key in keys if keys is not None else store.list(version_dir(prefix, version) + "/"):
+        if key.rsplit("/", 1)[-1].startswith(SNAPSHOT_TAG + "-"):
+            store.delete(key)
 
 
 def version_objects(store: "ObjectStore", prefix: str, version: int) -> list[str]:

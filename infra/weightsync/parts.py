@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from infra.gcpause import deferred_gc
 from infra.weightsync.errors import WeightSyncError
-from infra.weightsync.gc import collect
+from infra.weightsync.gc import clean_orphans, collect, delete_snapshot_objects
 from infra.weightsync.layout import (
     TAIL_SHARD,
     ChunkEntry,
@@ -60,10 +60,9 @@ from infra.weightsync.layout import (
     part_infix,
     scan_versions,
     snapshot_key,
-    version_dir,
 )
 from infra.weightsync.validate import MAX_MANIFEST_OBJECT
-from infra.weightsync.publisher import PublishInfo, VersionPublisher, _delete_snapshot_objects, clean_orphans
+from infra.weightsync.publisher import PublishInfo, VersionPublisher
 from infra.weightsync.rawbytes import dtype_name
 
 if TYPE_CHECKING:
@@ -183,6 +182,7 @@ class PartPublisher(VersionPublisher):
         self._staged: Manifest | None = None  # the share the last prepare made
         self._snap_reports: dict[int, dict[int, str | None]] = {}  # committer: version -> part -> error
         self._snap_version: int | None = None  # committer: the snapshot the parts are writing
+        self._abandoned: int | None = None  # committer: a snapshot dropped by a republish, shares to delete
         super().__init__(store, prefix, part=part_infix(part), **kwargs)
         self.carry_bytes = self.delta_shard_bytes // parts  # the merged manifest carries at most one shard's
         if part == 0:
@@ -243,8 +243,7 @@ class PartPublisher(VersionPublisher):
         if not outcome.committed:
             if self.version == outcome.version:
                 self.version -= 1
-            self._base, self._sig, self._digests = None, [], {}
-            self._hot.clear()
+            self._forget_base()
             return
         if outcome.snapshot and self._base is not None:
             self._start_snapshot()
@@ -260,17 +259,10 @@ class PartPublisher(VersionPublisher):
         """Forget the newest version before it is written again as a full version (a republish):
         the snapshot in flight is abandoned and part 0 deletes the version's objects, manifest first,
         which must happen before any part prepares it again."""
-        self._lane.abandon()
-        self._ended()
-        if self.index == 0:
-            v = self.version
-            self.store.delete(manifest_key(self.prefix, v))
-            for key in self.store.list(version_dir(self.prefix, v) + "/"):
-                self.store.delete(key)
-            self._snap_version, self._snap_reports = None, {}
-        self.version -= 1
-        self._base, self._sig, self._digests = None, [], {}
-        self._hot.clear()
+        self._drop_newest(delete=self.index == 0)
+        self._ended()  # shares of an abandoned snapshot: the committer forgets it below
+        if self.index == 0:  # shares some parts finished stay until every lane stopped (the next commit)
+            self._abandoned, self._snap_version, self._snap_reports = self._snap_version, None, {}
 
     def _ended(self) -> list[tuple[int, str | None]]:
         return [(r.version, None if r.error is None else str(r.error)[:500]) for r in self._lane.take()]
@@ -282,6 +274,9 @@ class PartPublisher(VersionPublisher):
         if self.index != 0:
             raise RuntimeError("only part 0 commits")
         self.collect_snapshots(reports)
+        if self._abandoned is not None:  # every part dropped it, its lane stopped, before it prepared
+            delete_snapshot_objects(self.store, self.prefix, self._abandoned)
+            self._abandoned = None
         version = self.version + 1 if self._staged is None else self._staged.version
         errors = [r.error for r in reports if r.error] + [
             f"part {r.part}: prepared version {r.version}, not {version}" for r in reports
@@ -302,11 +297,8 @@ class PartPublisher(VersionPublisher):
         info = PublishInfo(version, "keyframe" if man.keyframe else "delta", written,
                            sum(t.nbytes for t in man.tensors), max(r.seconds for r in shares),
                            changed / total if total else 0.0)
-        if man.keyframe:
-            self._start, self._start_bytes, self._chain = version, written, []
-        else:
-            self._chain.append((version, written))
-        info.snapshot_started = self._want_new_snapshot(version)
+        self._account(info)
+        info.snapshot_started = self._want_new_snapshot()
         if self.keep_versions:
             collect(self.store, self.prefix, self.keep_versions, busy=self._snap_version)
         return Outcome(version, True, None, info.snapshot_started, info)
@@ -336,21 +328,18 @@ class PartPublisher(VersionPublisher):
             self.store.put(snapshot_key(self.prefix, v), blob)
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimisation: the cadence asks again
             log.warning("snapshot of version %d not written: %s", v, exc)
-            _delete_snapshot_objects(self.store, self.prefix, v)
+            delete_snapshot_objects(self.store, self.prefix, v)
             self._want_snapshot = True
             return self._start
-        if v > self._start:
-            self._start, self._start_bytes = v, sum(man.shard_sizes) + len(blob)
-            self._chain = [(cv, b) for cv, b in self._chain if cv > v]
+        self._snapshot_committed(v, sum(man.shard_sizes) + len(blob))
         log.info("snapshot of version %d committed from %d parts", v, self.parts)
         return self._start
 
-    def _want_new_snapshot(self, version: int) -> bool:
-        """The cadence of :class:`VersionPublisher`, over the merged versions' bytes."""
-        if self._snap_version is not None or self._start >= version:
-            return False
-        if not (self._want_snapshot or sum(b for _v, b in self._chain) > self.chain_fraction * self._start_bytes):
+    def _want_new_snapshot(self) -> bool:
+        """The cadence of :class:`VersionPublisher`, over the merged versions' bytes, with the parts'
+        lanes free (no snapshot of theirs in flight)."""
+        if self._snap_version is not None or not self._snapshot_due():
             return False
         self._want_snapshot = False
-        self._snap_version = version
+        self._snap_version = self.version
         return True

@@ -61,14 +61,12 @@ from infra.gcpause import deferred_gc
 from infra.weightsync.chunks import EncodedChunk, encode_chunk
 from infra.weightsync.codec import CodecName
 from infra.weightsync.errors import IncompatibleTensors, VersionNotFound, WeightSyncError
-from infra.weightsync.gc import collect
+from infra.weightsync.gc import clean_orphans, collect
 from infra.weightsync.hotwords import HotWords
 from infra.weightsync.layout import (
     KEYFRAME_MARK,
-    SNAPSHOT_TAG,
     TAIL_SHARD,
     ChunkEntry,
-    Listing,
     Manifest,
     TensorEntry,
     chunk_bounds,
@@ -109,6 +107,13 @@ class PublishInfo:
     seconds: float
     changed_fraction: float
     snapshot_started: bool = False  # a background snapshot of this version began after it committed
+
+    def record(self, t0: float) -> dict[str, Any]:
+        """The trainer's record of this publish: ``seconds`` from the caller's ``t0`` (taking the
+        tensors from the engine included), ``encode_seconds`` the publisher's own."""
+        return {"version": self.version, "kind": self.kind, "bytes_written": self.bytes_written,
+                "raw_bytes": self.raw_bytes, "encode_seconds": self.seconds, "seconds": time.perf_counter() - t0,
+                "changed_fraction": self.changed_fraction}
 
 
 class VersionPublisher:
@@ -263,21 +268,34 @@ class VersionPublisher:
             if res.error is not None:
                 failed = res.error
                 continue
-            if res.version > self._start:
-                self._start = res.version
-                self._start_bytes = res.bytes_written
-                self._chain = [(v, b) for v, b in self._chain if v > res.version]
+            self._snapshot_committed(res.version, res.bytes_written)
         return failed
+
+    def _snapshot_committed(self, version: int, nbytes: int) -> None:
+        """A snapshot of ``version`` (``nbytes`` uploaded) committed: the newest start, if it is newer."""
+        if version > self._start:
+            self._start, self._start_bytes = version, nbytes
+            self._chain = [(v, b) for v, b in self._chain if v > version]
+
+    def _account(self, info: PublishInfo) -> None:
+        """The cadence's state after version ``info`` committed (a full version is the newest start)."""
+        if info.kind == "keyframe":
+            self._start, self._start_bytes, self._chain = info.version, info.bytes_written, []
+        else:
+            self._chain.append((info.version, info.bytes_written))
+
+    def _snapshot_due(self) -> bool:
+        """Whether the newest version needs a snapshot: one was asked for, or the delta chain since
+        the newest start outgrew ``snapshot_chain_fraction`` of it."""
+        chain = sum(b for _v, b in self._chain)
+        return self._start < self.version and (self._want_snapshot or chain > self.chain_fraction * self._start_bytes)
 
     def _maybe_snapshot(self, asked: bool) -> bool:
         """Start a snapshot of the newest version if the cadence says so (or ``asked``) and the
         lane is free; returns whether one started."""
         self._take_snapshots()
         self._want_snapshot = self._want_snapshot or asked
-        if self._lane.busy is not None or self._base is None or self._start >= self.version:
-            return False
-        chain = sum(b for _v, b in self._chain)
-        if not (self._want_snapshot or chain > self.chain_fraction * self._start_bytes):
+        if self._lane.busy is not None or self._base is None or not self._snapshot_due():
             return False
         self._start_snapshot()
         return True
@@ -316,9 +334,7 @@ class VersionPublisher:
                 self._lane.release()
             if info.kind == "keyframe":
                 self._take_snapshots()
-                self._start, self._start_bytes, self._chain = info.version, info.bytes_written, []
-            else:
-                self._chain.append((info.version, info.bytes_written))
+            self._account(info)
             info.snapshot_started = self._maybe_snapshot(snapshot)
             if self.keep_versions:
                 collect(self.store, self.prefix, self.keep_versions, busy=self._lane.busy)
@@ -339,19 +355,29 @@ class VersionPublisher:
         """
         if self.version < 1:
             raise VersionNotFound("nothing was published, so nothing can be republished", version=None)
-        self._lane.abandon()
+        self._drop_newest(delete=True)
         self._take_snapshots()
-        v = self.version
-        self.store.delete(manifest_key(self.prefix, v))
-        for key in self.store.list(version_dir(self.prefix, v) + "/"):
-            self.store.delete(key)
-        self.version = v - 1
-        self._base, self._sig, self._digests = None, [], {}
-        self._hot.clear()
         with deferred_gc():
             info = self._publish_version(tensors, files, meta, full=True)
         self._start, self._start_bytes, self._chain = info.version, info.bytes_written, []
         return info
+
+    def _drop_newest(self, delete: bool) -> None:
+        """Abandon the snapshot in flight and forget the newest version, which the next publish
+        writes again as a full one. With ``delete`` its objects go first, the manifest before the
+        rest: a reader sees the version as not yet published, never half rewritten."""
+        self._lane.abandon()
+        if delete:
+            self.store.delete(manifest_key(self.prefix, self.version))
+            for key in self.store.list(version_dir(self.prefix, self.version) + "/"):
+                self.store.delete(key)
+        self.version -= 1
+        self._forget_base()
+
+    def _forget_base(self) -> None:
+        """The base is unknown (a failed or dropped version): the next version is full."""
+        self._base, self._sig, self._digests = None, [], {}
+        self._hot.clear()
 
     def _publish_version(
         self,
@@ -379,8 +405,7 @@ class VersionPublisher:
         try:
             info, new_base = self._publish(version, names, tensors, words, sig, base, base is None, files, meta, t0)
         except BaseException:
-            self._sig, self._digests = [], {}
-            self._hot.clear()
+            self._forget_base()
             raise
         self._base = new_base
         self._meta = dict(meta or {})
@@ -573,20 +598,3 @@ class VersionPublisher:
             out[name] = h
         return out, written
 
-
-def clean_orphans(store: "ObjectStore", prefix: str, listing: Listing) -> None:
-    """Delete what killed publishers left: version folders above the newest committed version, and
-    the shards of snapshots that never committed."""
-    newest = listing.committed[-1] if listing.committed else 0
-    for orphan in sorted(v for v in listing.seen if v > newest):
-        for key in store.list(version_dir(prefix, orphan) + "/"):
-            store.delete(key)
-    for v in sorted(listing.partial & set(listing.committed)):
-        _delete_snapshot_objects(store, prefix, v)
-
-
-def _delete_snapshot_objects(store: "ObjectStore", prefix: str, version: int) -> None:
-    """Delete the snapshot shards of ``version`` whose snapshot never committed (no manifest)."""
-    for key in store.list(version_dir(prefix, version) + "/"):
-        if key.rsplit("/", 1)[-1].startswith(SNAPSHOT_TAG + "-"):
-            store.delete(key)

@@ -5,15 +5,13 @@ ranks, with shards that do not split evenly."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.engine_helpers import engine_rank
+from tests.rank_helpers import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -29,24 +27,9 @@ ENGINES = {
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_owned_params_are_the_full_params_in_bf16(engine: str, tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=engine_rank, args=(r, 2, str(tmp_path / "rendezvous"), ENGINES[engine], q),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    deadline = time.monotonic() + 300
-    while len(got) < len(procs):
-        try:
-            rank, full, mine, owner = q.get(timeout=2)
-        except queue.Empty:
-            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "a rank died or hung"
-            continue
-        got[rank] = (full, mine, owner)
-    for p in procs:
-        p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
+    rendezvous = str(tmp_path / "rendezvous")
+    got = {rank: (full, mine, owner) for rank, full, mine, owner in
+           run_ranks(engine_rank, 2, lambda r, q: (r, 2, rendezvous, ENGINES[engine], q), 2, 300)}
     full, _, owner = got[0]
     assert full is not None and got[1][0] is None and len(full) == 6
     for rank in (0, 1):

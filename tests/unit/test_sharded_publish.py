@@ -6,9 +6,6 @@ the settings ``weight_sync.publish_ranks`` refuses."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from infra.config import ConfigError, load_config
 from infra.storage import FileStore
 from infra.weightsync import VersionReader
 from infra.weightsync.layout import scan_versions
+from tests.rank_helpers import run_ranks
 from tests.sharded_helpers import PREFIX, sharded_rank
 from tests.weightsync_helpers import Drift, same
 
@@ -26,25 +24,12 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 @pytest.mark.parametrize("world,parts,publishing", [(3, 2, [0, 1]), (4, 2, [0, 2])])
 def test_parts_publish_fail_together_and_republish(tmp_path: Path, world: int, parts: int,
                                                    publishing: list[int]) -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    rendezvous = str(tmp_path / "rendezvous")
-    procs = [ctx.Process(target=sharded_rank, args=(r, world, rendezvous, str(tmp_path / "store"), parts, q),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    rendezvous, store_root = str(tmp_path / "rendezvous"), str(tmp_path / "store")
     got: dict[int, list] = {r: [] for r in range(world)}
-    deadline = time.monotonic() + 180
-    while sum(map(len, got.values())) < world * 10:  # per rank: 6 records, its part, an error, 1 record, the version
-        try:
-            rank, what, value = q.get(timeout=2)
-        except queue.Empty:
-            assert time.monotonic() < deadline and all(p.is_alive() for p in procs), "a rank died or hung"
-            continue
+    # per rank: 6 records, its part, an error, 1 record, the version
+    for rank, what, value in run_ranks(sharded_rank, world, lambda r, q: (r, world, rendezvous, store_root, parts, q),
+                                       world * 10, 180):
         got[rank].append((what, value))
-    for p in procs:
-        p.join(timeout=30)
-    assert all(p.exitcode == 0 for p in procs)
 
     for r in range(world):
         whats = [w for w, _ in got[r]]

@@ -6,6 +6,7 @@ rewrites the version in place."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,16 @@ PARTS = 3
 
 
 class FailingStore(FileStore):
-    """Fails every PUT whose key contains ``fail`` (while set)."""
+    """Fails every PUT whose key contains ``fail`` (while set); takes 0.3 s for those containing ``slow``."""
 
     fail: str | None = None
+    slow: str | None = None
 
     def put(self, key: str, data: bytes) -> None:
         if self.fail and self.fail in key:
             raise OSError(f"injected failure writing {key}")
+        if self.slow and self.slow in key:
+            time.sleep(0.3)
         super().put(key, data)
 
 
@@ -189,3 +193,23 @@ def test_parts_killed_before_the_commit_leave_nothing_and_new_parts_resume(tmp_p
     assert out.committed and out.version == 2 and out.info is not None and out.info.kind == "delta"
     got, v = VersionReader(store, PREFIX).fetch()
     assert v == 2 and same(got, state)
+
+
+def test_a_republish_deletes_the_shares_of_the_snapshot_it_abandoned(tmp_path: Path) -> None:
+    store, names = FailingStore(tmp_path / "store"), _names()
+    parts = _parts(store, names, snapshot_chain_fraction=0.01)
+    drift = Drift(seed=8)
+    _publish(parts, drift.bf16(), names)
+    drift.step(1e-3)
+    store.slow = "/s-p002-"  # part 2's share of the snapshot is still uploading when version 3 commits
+    assert _publish(parts, drift.bf16(), names).snapshot
+    parts[0].snapshot_report(wait=True)  # part 0's share is written (its report is not sent)
+    drift.step(1e-3)
+    assert _publish(parts, drift.bf16(), names).committed
+    for p in parts:  # a reader found version 3 damaged: every part drops it, abandoning the snapshot of 2
+        p.drop_newest()
+    store.slow = None
+    out = _publish(parts, drift.bf16(), names)
+    assert out.committed and out.version == 3 and out.info is not None and out.info.kind == "keyframe"
+    listing = scan_versions(store.list(PREFIX + "/"))
+    assert not listing.partial and not listing.snapshots  # part 0's finished share is gone too
